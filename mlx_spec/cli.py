@@ -1,0 +1,57 @@
+"""The `mlx-spec` command line: one subcommand per job.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and
+`run(args) -> int`; the heavy imports (mlx, mlx-lm) happen inside `run`, so
+`mlx-spec --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, help). "convert" has kinds of its own, below.
+COMMANDS = {
+    "generate": ("mlx_spec.generate_cli", "generate text with speculative decoding"),
+    "fetch-model": ("mlx_spec.zoo", "download and convert a pinned zoo model"),
+    "bench": ("mlx_spec.bench", "measure speed-ups of every method side by side"),
+}
+CONVERTERS = {
+    "gguf": ("converters.gguf", "convert a GGUF file into an MLX model folder"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlx-spec", description="Lossless speculative decoding with MLX."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        _attach(p, module)
+    convert = sub.add_parser("convert", help="convert checkpoints into MLX folders")
+    kinds = convert.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for name, (module, help_) in CONVERTERS.items():
+        p = kinds.add_parser(name, help=help_, description=help_)
+        _attach(p, module)
+    return parser
+
+
+def _attach(parser: argparse.ArgumentParser, module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    module.add_arguments(parser)
+    parser.set_defaults(_run=module.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args) or 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
