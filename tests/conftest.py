@@ -1,0 +1,21 @@
+"""Shared fixtures: real zoo models (fetched once per machine) and tiny random targets."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """Folder of the zoo's SmolLM2-135M-Instruct in float32 (downloaded on first use)."""
+    from mlx_spec import zoo
+
+    return zoo.fetch("smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """(model, tokenizer) of SmolLM2-135M-Instruct, float32."""
+    from mlx_lm import load
+
+    return load(str(smollm2_path))
