@@ -1,0 +1,197 @@
+"""Target and draft caches that can roll back the rejected part of a verified block.
+
+A verify forward appends k+1 positions to every layer's cache; after acceptance
+the last k-n of them must go. How depends on the layer's cache type:
+
+* `KVCache`, `QuantizedKVCache`: move the offset back (`trim`).
+* `RotatingKVCache` (sliding-window layers) cannot be trimmed once its ring has
+  wrapped, so it is replaced by `WindowKVCache`: the same attention window, but
+  the buffer keeps `spare` extra positions, so a rollback of up to `spare`
+  tokens always works, however long the sequence gets.
+* Anything else (e.g. the recurrent `ArraysCache`) raises `CacheRollbackError`
+  naming the layer and its type before any work starts. Never silent corruption.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import (
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+MAX_DRAFT = 16
+# A step can reject at most MAX_DRAFT of the MAX_DRAFT + 1 positions it appends.
+SPARE = MAX_DRAFT + 1
+
+
+class CacheRollbackError(ValueError):
+    """A cache layer cannot undo the positions of rejected draft tokens."""
+
+
+class WindowKVCache:
+    """Sliding-window KV cache (window `window`) that can roll back `spare` tokens.
+
+    Keys/values are kept in temporal order; before new tokens are written the
+    buffer retains at least `window - 1 + spare` of the most recent positions,
+    and `make_mask` limits every query to the `window` keys ending at itself, so
+    attention sees exactly what a `RotatingKVCache(max_size=window)` would.
+    """
+
+    step = 256
+
+    def __init__(self, window: int, spare: int = SPARE):
+        self.window = window
+        self.spare = spare
+        self.keys = self.values = None
+        self.offset = 0  # absolute number of positions seen
+        self._len = 0  # positions held in the buffer (the most recent ones)
+
+    @property
+    def _retain(self) -> int:
+        return self.window - 1 + self.spare
+
+    def _held_before(self, n_new: int) -> int:
+        """Positions kept from the buffer when `n_new` more are written."""
+        if self.keys is None:
+            return 0
+        if self._len + n_new > self.keys.shape[2]:
+            return min(self._len, self._retain)
+        return self._len
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        n_new = keys.shape[2]
+        held = self._held_before(n_new)
+        if self.keys is None or held != self._len or held + n_new > self.keys.shape[2]:
+            # Compact: copy the retained tail into a fresh buffer with room to grow.
+            size = held + n_new + self.step
+            B, H, _, Dk = keys.shape
+            new_k = mx.zeros((B, H, size, Dk), keys.dtype)
+            new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
+            if held:
+                new_k[..., :held, :] = self.keys[..., self._len - held : self._len, :]
+                new_v[..., :held, :] = self.values[..., self._len - held : self._len, :]
+            self.keys, self.values, self._len = new_k, new_v, held
+        self.keys[..., self._len : self._len + n_new, :] = keys
+        self.values[..., self._len : self._len + n_new, :] = values
+        self._len += n_new
+        self.offset += n_new
+        return self.keys[..., : self._len, :], self.values[..., : self._len, :]
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
+        if window_size is not None and window_size != self.window:
+            raise ValueError(
+                f"model asked for a {window_size}-token window from a cache built "
+                f"for {self.window}"
+            )
+        held = self._held_before(N)
+        if held + N <= self.window:
+            # No key falls outside the window: plain causal attention.
+            if N == 1:
+                return None
+            return create_causal_mask(N, held) if return_array else "causal"
+        return create_causal_mask(N, held, window_size=self.window)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        if self._len - n < min(self.offset - n, self.window - 1):
+            raise CacheRollbackError(
+                f"WindowKVCache can roll back at most {self.spare} positions "
+                f"past its window, asked for {n}"
+            )
+        self._len -= n
+        self.offset -= n
+        return n
+
+    def size(self) -> int:
+        return min(self.offset, self.window)
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def state(self):
+        return self.keys[..., : self._len, :], self.values[..., : self._len, :]
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    @classmethod
+    def from_rotating(cls, c: RotatingKVCache, spare: int = SPARE) -> "WindowKVCache":
+        """Take over a RotatingKVCache that may already hold a prompt."""
+        if c.keep:
+            raise CacheRollbackError(
+                f"RotatingKVCache with keep={c.keep} (attention sinks) cannot be "
+                "rolled back; build the cache with mlx_spec.make_cache(model) "
+                "instead of max_kv_size"
+            )
+        new = cls(c.max_size, spare)
+        if c.keys is not None and c.offset > 0:
+            k, v = _temporal(c, c.keys), _temporal(c, c.values)
+            new.update_and_fetch(k, v)
+            new.offset = c.offset
+        return new
+
+
+def _temporal(c: RotatingKVCache, v: mx.array) -> mx.array:
+    """A RotatingKVCache buffer in temporal order (oldest first), keep == 0."""
+    if c._idx == v.shape[2]:
+        return v
+    if c._idx < c.offset:  # the ring has wrapped: [idx:] is older than [:idx]
+        return mx.concatenate([v[..., c._idx :, :], v[..., : c._idx, :]], axis=2)
+    return v[..., : c._idx, :]
+
+
+def _prepare_layer(c: Any, where: str) -> Any:
+    if isinstance(c, RotatingKVCache):
+        return WindowKVCache.from_rotating(c)
+    if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)):
+        return c
+    if isinstance(c, CacheList):
+        c.caches = [_prepare_layer(x, f"{where}.{i}") for i, x in enumerate(c.caches)]
+        return c
+    raise CacheRollbackError(
+        f"{where} uses {type(c).__name__}, which cannot roll back rejected draft "
+        "tokens, so speculative decoding would corrupt its state. Supported: "
+        "KVCache, QuantizedKVCache, RotatingKVCache. "
+        "(Recurrent ArraysCache layers are not supported yet.)"
+    )
+
+
+def prepare_cache(model, cache: list | None = None) -> list:
+    """Return a cache for `model` whose every layer can roll back `SPARE` positions.
+
+    `cache` (a prompt cache from the caller) is converted in place, so the
+    caller's list keeps the committed state after generation.
+    """
+    if cache is None:
+        cache = make_prompt_cache(model)
+    for i, c in enumerate(cache):
+        cache[i] = _prepare_layer(c, f"cache layer {i}")
+    return cache
+
+
+def make_cache(model) -> list:
+    """A fresh prompt cache for `model` that speculative decoding can roll back."""
+    return prepare_cache(model)
+
+
+def rollback(cache: list, n: int) -> None:
+    """Drop the last `n` positions from every layer."""
+    if n > 0:
+        for c in cache:
+            c.trim(n)
+
+
+def cache_length(cache: list) -> int:
+    return cache[0].offset if cache else 0

@@ -1,0 +1,105 @@
+"""A small language model with the target's tokenizer as the drafter.
+
+It keeps its own (rollback-capable) cache. `propose` feeds the committed tokens
+it has not seen yet plus y, then chains k steps, each sampling on device from
+its own filtered distribution `q` (argmax when greedy): k lazy steps, no host
+sync, so the draft joins the step's single graph. After verification it trims
+its cache to the committed prefix; a fully accepted block leaves d[k-1]
+unconsumed, so that token is queued for the next proposal.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..cache import make_cache, rollback
+from ..sampling import Sampling
+from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+
+PREFILL_CHUNK = 512
+
+
+class DraftModelDrafter:
+    """Draft with `draft_model`; pass its tokenizer to have the vocabularies compared."""
+
+    taps: tuple[int, ...] = ()
+    max_draft = MAX_DRAFT_DEFAULT
+
+    def __init__(self, draft_model, draft_tokenizer=None):
+        self.model = draft_model
+        self.tokenizer = draft_tokenizer
+        self.cache: list = []
+        self._pending: list[int] = []  # committed tokens the draft has not consumed
+        self._k = 0  # size of the outstanding proposal (0: none)
+
+    def bind(self, model, tokenizer) -> None:
+        v_t, v_d = vocab_size(model), vocab_size(self.model)
+        if self.tokenizer is not None:
+            _check_same_vocab(tokenizer, self.tokenizer)
+        elif v_t != v_d:
+            raise ValueError(
+                f"vocabulary mismatch: the target has {v_t} token ids, the draft model "
+                f"{v_d}. The draft must use the target's tokenizer (pass "
+                "draft_tokenizer= to have the two compared token by token)."
+            )
+        self._v_target, self._v_draft = v_t, v_d
+        self.cache = make_cache(self.model)
+        self._pending, self._k = [], 0
+
+    def _logits(self, tokens: mx.array) -> mx.array:
+        """Draft logits at the last position, laid out over the target vocabulary."""
+        logits = self.model(tokens[None], cache=self.cache)[0, -1]
+        if self._v_draft > self._v_target:  # padding rows no tokenizer id reaches
+            logits = logits[: self._v_target]
+        elif self._v_draft < self._v_target:
+            pad = mx.full((self._v_target - self._v_draft,), -mx.inf, logits.dtype)
+            logits = mx.concatenate([logits, pad])
+        return logits
+
+    def prefill(self, tokens: Sequence[int], taps) -> None:
+        tokens = list(tokens)
+        for i in range(0, max(len(tokens) - 1, 0), PREFILL_CHUNK):
+            self.model(mx.array(tokens[i : min(i + PREFILL_CHUNK, len(tokens) - 1)])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        self._pending = tokens[-1:]
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        logits = self._logits(mx.array(self._pending + [y], mx.uint32))
+        tokens, qs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                t = mx.argmax(logits)
+            else:
+                q = sampling.probs(logits)
+                t = mx.random.categorical(mx.log(q))
+                qs.append(q)
+            tokens.append(t)
+            if i < k - 1:
+                logits = self._logits(t.reshape(1).astype(mx.uint32))
+        self._pending, self._k = [], k
+        return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+
+    def commit(self, tokens: Sequence[int], taps) -> None:
+        tokens = list(tokens)
+        if not self._k:  # nothing proposed this step: just queue what was kept
+            self._pending += tokens
+            return
+        n = len(tokens) - 1  # accepted drafts; tokens = [y, d0 .. d(n-1)]
+        # The draft consumed y, d0 .. d(k-2); keep y and the accepted ones among them.
+        rollback(self.cache, (self._k - 1) - min(n, self._k - 1))
+        self._pending = tokens[-1:] if n == self._k else []
+        self._k = 0
+
+
+def _check_same_vocab(target_tok, draft_tok) -> None:
+    vt, vd = target_tok.get_vocab(), draft_tok.get_vocab()
+    if vt == vd:
+        return
+    diff = sorted(set(vt.items()) ^ set(vd.items()), key=lambda kv: kv[1])[:3]
+    raise ValueError(
+        f"vocabulary mismatch: target tokenizer has {len(vt)} tokens, draft tokenizer "
+        f"{len(vd)}; e.g. {diff}. Speculative decoding needs a draft model with the "
+        "target's tokenizer (same family, e.g. Qwen2.5-Coder-0.5B for Qwen2.5-Coder-1.5B)."
+    )

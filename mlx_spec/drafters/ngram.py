@@ -1,0 +1,105 @@
+"""Prompt lookup: propose what followed the last occurrence of the context's suffix.
+
+The longest suffix of the context (n from `max_n` down to `min_n`) that occurred
+before wins, and its most recent earlier occurrence supplies up to k tokens.
+The index maps each n-gram to the position where it last ended and is updated
+per committed token, so a lookup costs O(max_n) whatever the context length.
+An optional static corpus (like llama.cpp's lookup-cache-static) is consulted
+when the context has no match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..sampling import Sampling
+from .base import EMPTY, MAX_DRAFT_DEFAULT, Draft
+
+
+
+
+class NGramIndex:
+    """Tokens plus, for each n in [min_n, max_n], n-gram -> last end position."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.last_end: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.last_end[tuple(self.tokens[end - n :])] = end - 1
+
+    def lookup(self, context: list[int], y: int, k: int) -> list[int]:
+        """Continuation of the longest suffix of `context + [y]` seen in these tokens.
+
+        When `context` is these tokens themselves, a continuation that runs into
+        the end goes on with y (the context continues with y).
+        """
+        toks = self.tokens
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n - 1 > len(context):
+                continue
+            key = tuple(context[len(context) - (n - 1) :]) + (y,)
+            end = self.last_end.get(key)
+            if end is None:
+                continue
+            cont = toks[end + 1 : end + 1 + k]
+            if context is toks and len(cont) < k:
+                cont.append(y)
+            if cont:
+                return cont
+        return []
+
+
+class NGramDrafter:
+    """Prompt-lookup drafter (no model, no probabilities: proposals are point masses)."""
+
+    taps: tuple[int, ...] = ()
+    max_draft = MAX_DRAFT_DEFAULT
+
+    def __init__(
+        self,
+        min_n: int = 2,
+        max_n: int = 4,
+        corpus: str | Path | Sequence[int] | None = None,
+    ):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.corpus = corpus
+        self._corpus_index: NGramIndex | None = None
+        self._index = NGramIndex(min_n, max_n)
+
+    def bind(self, model, tokenizer) -> None:
+        self._index = NGramIndex(self.min_n, self.max_n)
+        if self.corpus is not None and self._corpus_index is None:
+            self._corpus_index = NGramIndex(self.min_n, self.max_n)
+            self._corpus_index.extend(self._corpus_tokens(tokenizer))
+
+    def _corpus_tokens(self, tokenizer) -> list[int]:
+        if isinstance(self.corpus, (str, Path)):
+            path = Path(self.corpus)
+            if not path.is_file():
+                raise ValueError(f"n-gram corpus file not found: {path}")
+            return tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+        return [int(t) for t in self.corpus]
+
+    def prefill(self, tokens: Sequence[int], taps) -> None:
+        self._index.extend(tokens)
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        context = self._index.tokens
+        cont = self._index.lookup(context, y, k)
+        if not cont and self._corpus_index is not None:
+            cont = self._corpus_index.lookup(context, y, k)
+        return Draft(mx.array(cont, mx.uint32)) if cont else EMPTY
+
+    def commit(self, tokens: Sequence[int], taps) -> None:
+        self._index.extend(tokens)

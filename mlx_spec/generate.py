@@ -1,0 +1,179 @@
+"""The decode loop: prefill, then propose -> verify -> accept -> roll back -> commit.
+
+Each step builds one lazy MLX graph (the drafter's proposal, one target forward
+over `[y, d0 .. d(k-1)]`, the acceptance) and evaluates it once; reading its
+result is the step's only host sync. `drafter=None` runs the same loop with
+k = 0, which is plain decoding: the baseline goes through the same code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .acceptance import accept
+from .cache import MAX_DRAFT, cache_length, prepare_cache, rollback
+from .drafters.base import EMPTY, Draft, Drafter
+from .sampling import Sampling
+from .stats import SpecStats
+
+DEFAULT_NUM_DRAFT_TOKENS = 4
+PREFILL_STEP = 2048
+
+
+@dataclass
+class Response:
+    text: str  # the new text segment
+    token: int
+    from_draft: bool
+    finish_reason: str | None  # None, "stop" (EOS) or "length" (max_tokens)
+    prompt_tokens: int
+    generation_tokens: int
+    stats: SpecStats | None = None  # on the last response only
+
+
+class Verifier:
+    """The target side of a step: prefill, then one verify forward per block."""
+
+    def __init__(self, model, cache: list, sampling: Sampling):
+        self.model, self.cache, self.sampling = model, cache, sampling
+
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Consume the prompt; return the target's first token y."""
+        for i in range(0, len(tokens) - 1, PREFILL_STEP):
+            chunk = tokens[i : min(i + PREFILL_STEP, len(tokens) - 1)]
+            self.model(mx.array(chunk)[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+        logits = self.model(mx.array(tokens[-1:])[None], cache=self.cache)[0, -1]
+        return self.sampling.sample(logits).item()
+
+    def step(self, y: int, draft: Draft) -> tuple[list[int], int]:
+        """Verify `draft` after y; return (emitted tokens d[:n] + [next], n)."""
+        inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
+        logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
+        n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
+        out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
+        *proposed, nxt, n = out.tolist()  # the one host sync of the step
+        rollback(self.cache, draft.size - n)
+        return proposed[:n] + [nxt], n
+
+
+def stream_generate(
+    model,
+    tokenizer,
+    prompt: str | Sequence[int],
+    drafter: Drafter | None = None,
+    *,
+    max_tokens: int = 256,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    prompt_cache: list | None = None,
+    trace: bool = False,
+) -> Iterator[Response]:
+    """Yield the target's own continuation of `prompt`, sped up by `drafter`.
+
+    Greedy output is token for token the target's; sampled output has exactly
+    the target's distribution. Bad input raises ValueError here, before any
+    model work. `prompt_cache` (from `mlx_spec.make_cache`) holds exactly the
+    committed tokens when the generator ends or is closed early.
+    """
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    ids = _encode(tokenizer, prompt)
+    if not (isinstance(max_tokens, int) and max_tokens >= 1):
+        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+    k_max = _check_num_draft(num_draft_tokens, drafter)
+    sampling = Sampling(temp, top_p, top_k, min_p)
+    cache = prepare_cache(model, prompt_cache)
+    if drafter is not None:
+        drafter.bind(model, tokenizer)
+    return _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, seed, trace)
+
+
+def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, seed, trace):
+    if seed is not None:
+        mx.random.seed(seed)
+    stats = SpecStats(prompt_tokens=len(ids))
+    detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
+    detok.reset()
+    verifier = Verifier(model, cache, sampling)
+    committed_base = cache_length(cache) + len(ids) - 1  # cache size with 1 token emitted
+    tic = time.perf_counter()
+    y = verifier.prefill(ids)
+    if drafter is not None:
+        drafter.prefill(ids, None)
+    stats.prompt_tps = len(ids) / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+    block, emitted = [(y, False)], 0
+    try:
+        while True:
+            for token, from_draft in block:
+                emitted += 1
+                finish = "stop" if token in eos else None
+                if finish is None:
+                    detok.add_token(token)
+                    finish = "length" if emitted == max_tokens else None
+                if finish is None:
+                    yield Response(detok.last_segment, token, from_draft, None, len(ids), emitted)
+                    continue
+                detok.finalize()
+                _finish_stats(stats, emitted, tic)
+                yield Response(detok.last_segment, token, from_draft, finish, len(ids), emitted, stats)
+                return
+            k = min(k_max, max_tokens - emitted - 1)  # the block's last token must fit too
+            draft = drafter.propose(y, k, sampling) if drafter is not None and k > 0 else EMPTY
+            tokens, n = verifier.step(y, draft)
+            stats.observe(draft.tokens.tolist(), n, trace)
+            if drafter is not None:
+                drafter.commit([y] + tokens[:-1], None)
+            block, y = [(t, i < n) for i, t in enumerate(tokens)], tokens[-1]
+    finally:
+        # Drop what the caller never saw (and anything a failed step left behind).
+        rollback(cache, cache_length(cache) - committed_base - max(emitted, 1))
+
+
+def _finish_stats(stats: SpecStats, emitted: int, tic: float) -> None:
+    stats.generation_tokens = emitted
+    stats.generation_tps = emitted / max(time.perf_counter() - tic, 1e-9)
+    stats.peak_memory = mx.get_peak_memory() / 1e9
+
+
+def generate(model, tokenizer, prompt, drafter=None, *, verbose: bool = False, **kwargs) -> str:
+    """Like `stream_generate`, but return the text; `verbose` prints it as it streams."""
+    text, last = "", None
+    for last in stream_generate(model, tokenizer, prompt, drafter, **kwargs):
+        text += last.text
+        if verbose:
+            print(last.text, end="", flush=True)
+    if verbose and last is not None:
+        print("\n" + "=" * 10 + "\n" + last.stats.summary())
+    return text
+
+
+def _encode(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        bos = tokenizer.bos_token
+        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise ValueError("the prompt is empty: give at least one token of text")
+    return ids
+
+
+def _check_num_draft(num_draft_tokens, drafter) -> int:
+    if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT):
+        raise ValueError(
+            f"num_draft_tokens must be an integer in 1..{MAX_DRAFT}, got {num_draft_tokens!r}"
+        )
+    if drafter is None:
+        return 0
+    return min(num_draft_tokens, drafter.max_draft)

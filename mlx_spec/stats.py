@@ -1,0 +1,69 @@
+"""Speculative-decoding statistics: what a user needs to see why it is (not) faster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepTrace:
+    """One verify step: what was proposed and how much of it the target kept."""
+
+    proposed: list[int]
+    accepted: int
+
+
+@dataclass
+class SpecStats:
+    prompt_tokens: int = 0
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    peak_memory: float = 0.0  # GB
+    target_forwards: int = 0  # verify forwards after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    chosen_k: list[int] = field(default_factory=list)  # k of each verify step
+    trace: list[StepTrace] | None = None
+    _pos_drafted: list[int] = field(default_factory=list, repr=False)
+    _pos_accepted: list[int] = field(default_factory=list, repr=False)
+
+    def observe(self, proposed: list[int], n: int, keep_trace: bool) -> None:
+        k = len(proposed)
+        self.target_forwards += 1
+        self.drafted += k
+        self.accepted += n
+        self.chosen_k.append(k)
+        grow = k - len(self._pos_drafted)
+        if grow > 0:
+            self._pos_drafted += [0] * grow
+            self._pos_accepted += [0] * grow
+        for i in range(k):
+            self._pos_drafted[i] += 1
+            self._pos_accepted[i] += i < n
+        if keep_trace:
+            if self.trace is None:
+                self.trace = []
+            self.trace.append(StepTrace(proposed, n))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Tokens emitted per verify forward: mean(n + 1)."""
+        f = self.target_forwards
+        return (self.accepted + f) / f if f else 0.0
+
+    @property
+    def accepted_per_position(self) -> list[float]:
+        return [a / d for a, d in zip(self._pos_accepted, self._pos_drafted)]
+
+    def summary(self) -> str:
+        return (
+            f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "
+            f"generation {self.generation_tokens} tok @ {self.generation_tps:.2f} tok/s | "
+            f"tau {self.tau:.2f} | acceptance {self.acceptance_rate:.1%} "
+            f"({self.accepted}/{self.drafted}) | peak memory {self.peak_memory:.2f} GB"
+        )

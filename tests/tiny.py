@@ -1,0 +1,73 @@
+"""Tiny random-weight targets and a real (tiny) Hugging Face tokenizer for fast tests."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models import gemma3_text, llama, qwen2
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+VOCAB = 96
+
+
+def tokenizer(vocab: int = VOCAB, eos: int = 0) -> TokenizerWrapper:
+    """A word-level tokenizer over ids 0..vocab-1 ("w0".."w95"); `eos` ends text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w1"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos}", unk_token="w1")
+    return TokenizerWrapper(hf)
+
+
+def _finish(model, seed: int, sharpen: float):
+    # Random weights give near-flat logits; sharpening makes argmax ties (and
+    # thus float-rounding flips between block and single-token forwards) rare.
+    head = model.lm_head if hasattr(model, "lm_head") else None
+    if head is not None and sharpen != 1.0:
+        model.lm_head.weight = head.weight * sharpen
+    mx.eval(model.parameters())
+    return model
+
+
+def llama_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, tied=False,
+                vocab=VOCAB, sharpen=8.0, **kw):
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=2 * hidden, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, rms_norm_eps=1e-5, vocab_size=vocab,
+        tie_word_embeddings=tied, **kw,
+    )
+    model = llama.Model(args)
+    if tied:
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * 4
+    return _finish(model, seed, sharpen)
+
+
+def qwen2_model(seed=0, layers=2, hidden=64, vocab=VOCAB, sharpen=8.0):
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(
+        model_type="qwen2", hidden_size=hidden, num_hidden_layers=layers,
+        intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=1,
+        rms_norm_eps=1e-6, vocab_size=vocab, tie_word_embeddings=False,
+    )
+    return _finish(qwen2.Model(args), seed, sharpen)
+
+
+def gemma3_model(seed=0, layers=4, window=8, vocab=VOCAB):
+    """Gemma 3 text model with sliding-window layers (window `window`, pattern 2)."""
+    mx.random.seed(seed)
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=layers,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rms_norm_eps=1e-6, vocab_size=vocab, sliding_window=window,
+        sliding_window_pattern=2, max_position_embeddings=4096,
+    )
+    model = gemma3_text.Model(args)
+    emb = model.model.embed_tokens
+    emb.weight = emb.weight * 3  # tied head: sharpen through the embedding
+    mx.eval(model.parameters())
+    return model
