@@ -20,6 +20,7 @@ from .cache import MAX_DRAFT, cache_length, prepare_cache, rollback
 from .drafters.base import EMPTY, Draft, Drafter
 from .sampling import Sampling
 from .stats import SpecStats
+from .taps import Taps
 
 DEFAULT_NUM_DRAFT_TOKENS = 4
 PREFILL_STEP = 2048
@@ -36,30 +37,59 @@ class Response:
     stats: SpecStats | None = None  # on the last response only
 
 
+@dataclass
+class Verdict:
+    proposed: list[int]  # the draft d[0..k)
+    n: int  # how many of it the target kept
+    token: int  # the target's own next token (correction or bonus): the new y
+    taps: dict | None  # target hidden states at the kept inputs [y, d0 .. d(n-1)]
+
+    @property
+    def emitted(self) -> list[int]:
+        return self.proposed[: self.n] + [self.token]
+
+
 class Verifier:
-    """The target side of a step: prefill, then one verify forward per block."""
+    """The target side of a step: prefill, then one verify forward per block.
 
-    def __init__(self, model, cache: list, sampling: Sampling):
+    With `tap_ids` it also returns the target hidden states the drafter reads,
+    for exactly the positions the target keeps.
+    """
+
+    def __init__(self, model, cache: list, sampling: Sampling, tap_ids: tuple = ()):
         self.model, self.cache, self.sampling = model, cache, sampling
+        self.taps = Taps(model, tap_ids) if tap_ids else None
 
-    def prefill(self, tokens: Sequence[int]) -> int:
-        """Consume the prompt; return the target's first token y."""
-        for i in range(0, len(tokens) - 1, PREFILL_STEP):
-            chunk = tokens[i : min(i + PREFILL_STEP, len(tokens) - 1)]
-            self.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-        logits = self.model(mx.array(tokens[-1:])[None], cache=self.cache)[0, -1]
-        return self.sampling.sample(logits).item()
+    def _read_taps(self, keep: int) -> dict | None:
+        return None if self.taps is None else {i: h[:keep] for i, h in self.taps.read().items()}
 
-    def step(self, y: int, draft: Draft) -> tuple[list[int], int]:
-        """Verify `draft` after y; return (emitted tokens d[:n] + [next], n)."""
+    def prefill(self, tokens: Sequence[int]) -> tuple[int, dict | None]:
+        """Consume the prompt; return the target's first token y and the prompt's taps."""
+        chunks = [tokens[i : i + PREFILL_STEP] for i in range(0, len(tokens), PREFILL_STEP)]
+        taps = []
+        for chunk in chunks:
+            logits = self.model(mx.array(chunk)[None], cache=self.cache)
+            taps.append(self._read_taps(len(chunk)))
+            if chunk is not chunks[-1]:
+                mx.eval([c.state for c in self.cache], taps[-1])
+        y = self.sampling.sample(logits[0, -1]).item()
+        if self.taps is None:
+            return y, None
+        return y, {i: mx.concatenate([t[i] for t in taps]) for i in taps[0]}
+
+    def step(self, y: int, draft: Draft) -> Verdict:
+        """Verify `draft` after y: one target forward, acceptance, rollback."""
         inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
         logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
         n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
         out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
         *proposed, nxt, n = out.tolist()  # the one host sync of the step
         rollback(self.cache, draft.size - n)
-        return proposed[:n] + [nxt], n
+        return Verdict(proposed, n, nxt, self._read_taps(n + 1))
+
+    def close(self) -> None:
+        if self.taps is not None:
+            self.taps.remove()
 
 
 def stream_generate(
@@ -104,12 +134,12 @@ def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, 
     stats = SpecStats(prompt_tokens=len(ids))
     detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
     detok.reset()
-    verifier = Verifier(model, cache, sampling)
+    verifier = Verifier(model, cache, sampling, drafter.taps if drafter is not None else ())
     committed_base = cache_length(cache) + len(ids) - 1  # cache size with 1 token emitted
     tic = time.perf_counter()
-    y = verifier.prefill(ids)
+    y, taps = verifier.prefill(ids)
     if drafter is not None:
-        drafter.prefill(ids, None)
+        drafter.prefill(ids, taps)
     stats.prompt_tps = len(ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()
     block, emitted = [(y, False)], 0
@@ -130,12 +160,13 @@ def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, 
                 return
             k = min(k_max, max_tokens - emitted - 1)  # the block's last token must fit too
             draft = drafter.propose(y, k, sampling) if drafter is not None and k > 0 else EMPTY
-            tokens, n = verifier.step(y, draft)
-            stats.observe(draft.tokens.tolist(), n, trace)
+            v = verifier.step(y, draft)
+            stats.observe(v.proposed, v.n, trace)
             if drafter is not None:
-                drafter.commit([y] + tokens[:-1], None)
-            block, y = [(t, i < n) for i, t in enumerate(tokens)], tokens[-1]
+                drafter.commit([y] + v.proposed[: v.n], v.taps)
+            block, y = [(t, i < v.n) for i, t in enumerate(v.emitted)], v.token
     finally:
+        verifier.close()
         # Drop what the caller never saw (and anything a failed step left behind).
         rollback(cache, cache_length(cache) - committed_base - max(emitted, 1))
 

@@ -1,10 +1,10 @@
 """Drafters: everything that proposes tokens for the target to verify."""
 
-from .base import EMPTY, FINAL_NORM, Draft, Drafter
+from .base import EMPTY, Draft, Drafter
 from .draft_model import DraftModelDrafter
 from .ngram import NGramDrafter
 
 # CLI names -> drafter classes that need no files.
 DRAFTERS = {"ngram": NGramDrafter}
 
-__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NGramDrafter", "DRAFTERS", "EMPTY", "FINAL_NORM"]
+__all__ = ["Draft", "Drafter", "DraftModelDrafter", "NGramDrafter", "DRAFTERS", "EMPTY"]

@@ -7,10 +7,10 @@ The decode loop never branches on drafter kind. Per step it calls
 own state back to what was committed.
 
 `taps` is how heads (MTP, EAGLE, DFlash, DSpark) receive the target's hidden
-states: a drafter lists the target layers it needs in `.taps` (layer k = the
-output of decoder layer k; `FINAL_NORM` = the final-norm output) and gets
-`{layer: [T, H]}` for the committed positions. N-gram and draft-model drafters
-ask for nothing and get None.
+states: a drafter lists the tap ids it needs in `.taps` (see `mlx_spec.taps`:
+k = the output of decoder layer k, `EMBED`, `FINAL_NORM`) and gets
+`{id: [T, H]}` for exactly the committed positions. N-gram and draft-model
+drafters ask for nothing and get None.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ..sampling import Sampling
 
-FINAL_NORM = -1
+
 MAX_DRAFT_DEFAULT = 16  # the verifier checks at most 16 drafted tokens per step
 
 
@@ -42,7 +42,7 @@ EMPTY = Draft(mx.zeros((0,), mx.uint32))
 
 
 class Drafter(Protocol):
-    taps: tuple[int, ...]  # target layers whose outputs this drafter reads
+    taps: tuple  # tap ids this drafter reads (mlx_spec.taps); () for none
     max_draft: int  # the most tokens one propose() can return (<= 16)
 
     def bind(self, model, tokenizer) -> None:

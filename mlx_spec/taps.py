@@ -1,0 +1,127 @@
+"""Taps: record target hidden states during the verify forward, for head drafters.
+
+`Taps(model, ids)` wraps the *instance's* decoder layers (and, if asked, its
+final norm) with transparent recorders; mlx-lm classes are never patched and
+`remove()` restores the originals. One internal meaning of a tap id:
+
+* `k >= 0`       the output of decoder layer k (0-based), i.e. HF
+                 `hidden_states[k + 1]`;
+* `EMBED`        the input of decoder layer 0 (the embedding output);
+* `FINAL_NORM`   the output of the final norm (what the LM head reads).
+
+Converters translate each checkpoint's convention into these ids. When no
+drafter asks for taps nothing is installed, so they cost nothing.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+EMBED = "embed"
+FINAL_NORM = "final_norm"
+
+
+class _Recorder(nn.Module):
+    """Calls the wrapped module and keeps its output (or its first input)."""
+
+    def __init__(self, inner: nn.Module, keep_input: bool, keep_output: bool):
+        super().__init__()
+        self.inner = inner
+        # Plain attributes (not arrays/dicts), so nn.Module does not count the
+        # recorded activations as parameters.
+        self.keep_input, self.keep_output = keep_input, keep_output
+        self.seen = _Seen()
+
+    def __getattr__(self, key):
+        # Models read attributes of their layers (e.g. `layer.use_sliding`).
+        if key in self:
+            return self[key]
+        if "inner" not in self:
+            raise AttributeError(key)
+        return getattr(self["inner"], key)
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.inner(x, *args, **kwargs)
+        if self.keep_input:
+            self.seen.inp = x
+        if self.keep_output:
+            self.seen.out = out[0] if isinstance(out, tuple) else out
+        return out
+
+
+class _Seen:
+    inp: mx.array | None = None
+    out: mx.array | None = None
+
+
+def decoder_stack(model) -> nn.Module:
+    """The module that owns the decoder-layer list and the final norm."""
+    for cand in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
+        if cand is not None and isinstance(getattr(cand, "layers", None), list):
+            return cand
+    raise ValueError(
+        f"cannot find the decoder layers of {type(model).__name__}: taps need an "
+        "mlx-lm model whose decoder layers sit in a list (model.model.layers)"
+    )
+
+
+class Taps:
+    """Install recorders for `ids` on `model`; `read()` returns {id: [T, H]}."""
+
+    def __init__(self, model, ids):
+        self.ids = tuple(ids)
+        self.stack = decoder_stack(model)
+        layers = self.stack.layers
+        n = len(layers)
+        self._installed: list[tuple[object, object, object]] = []  # (owner, key, original)
+        self._where: dict[object, tuple[_Recorder, str]] = {}
+        for tid in self.ids:
+            if tid == FINAL_NORM:
+                if not hasattr(self.stack, "norm"):
+                    raise ValueError(f"{type(model).__name__} has no final norm to tap")
+                rec = self._wrap(self.stack, "norm", attr=True, keep_output=True)
+                self._where[tid] = (rec, "out")
+            elif tid == EMBED:
+                rec = self._wrap(layers, 0, attr=False, keep_input=True)
+                self._where[tid] = (rec, "inp")
+            elif isinstance(tid, int) and 0 <= tid < n:
+                rec = self._wrap(layers, tid, attr=False, keep_output=True)
+                self._where[tid] = (rec, "out")
+            else:
+                raise ValueError(
+                    f"tap {tid!r} is out of range: this target has {n} decoder layers "
+                    f"(valid: 0..{n - 1}, {EMBED!r}, {FINAL_NORM!r})"
+                )
+
+    def _wrap(self, owner, key, attr: bool, keep_input=False, keep_output=False) -> _Recorder:
+        current = getattr(owner, key) if attr else owner[key]
+        if isinstance(current, _Recorder):  # a second id on the same module
+            current.keep_input |= keep_input
+            current.keep_output |= keep_output
+            return current
+        rec = _Recorder(current, keep_input, keep_output)
+        if attr:
+            setattr(owner, key, rec)
+        else:
+            owner[key] = rec
+        self._installed.append((owner, key, current))
+        return rec
+
+    def read(self) -> dict:
+        """{id: [T, H]} for the last forward (batch 1)."""
+        return {tid: getattr(rec.seen, slot)[0] for tid, (rec, slot) in self._where.items()}
+
+    def remove(self) -> None:
+        for owner, key, original in reversed(self._installed):
+            if isinstance(owner, list):
+                owner[key] = original
+            else:
+                setattr(owner, key, original)
+        self._installed.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
