@@ -8,17 +8,25 @@ the last k-n of them must go. How depends on the layer's cache type:
   wrapped, so it is replaced by `WindowKVCache`: the same attention window, but
   the buffer keeps `spare` extra positions, so a rollback of up to `spare`
   tokens always works, however long the sequence gets.
-* Anything else (e.g. the recurrent `ArraysCache`) raises `CacheRollbackError`
-  naming the layer and its type before any work starts. Never silent corruption.
+* `ArraysCache` (recurrent layers: GatedDeltaNet, Mamba, short convolutions)
+  holds one state, not one entry per position. A `Checkpoint` taken before a
+  block keeps references to those states (MLX arrays are replaced, never
+  mutated, by these layers); to keep a prefix of the block it restores them,
+  drops the whole block from the attention layers and replays the kept tokens
+  through the model. The replay is a second (lazy) forward over n+1 tokens on
+  steps that rejected something.
+* Anything else raises `CacheRollbackError` naming the layer and its type
+  before any work starts. Never silent corruption.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
+    ArraysCache,
     CacheList,
     KVCache,
     QuantizedKVCache,
@@ -155,7 +163,7 @@ def _temporal(c: RotatingKVCache, v: mx.array) -> mx.array:
 def _prepare_layer(c: Any, where: str) -> Any:
     if isinstance(c, RotatingKVCache):
         return WindowKVCache.from_rotating(c)
-    if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)):
+    if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache, ArraysCache)):
         return c
     if isinstance(c, CacheList):
         c.caches = [_prepare_layer(x, f"{where}.{i}") for i, x in enumerate(c.caches)]
@@ -163,8 +171,7 @@ def _prepare_layer(c: Any, where: str) -> Any:
     raise CacheRollbackError(
         f"{where} uses {type(c).__name__}, which cannot roll back rejected draft "
         "tokens, so speculative decoding would corrupt its state. Supported: "
-        "KVCache, QuantizedKVCache, RotatingKVCache. "
-        "(Recurrent ArraysCache layers are not supported yet.)"
+        "KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache."
     )
 
 
@@ -186,12 +193,51 @@ def make_cache(model) -> list:
     return prepare_cache(model)
 
 
+def _layers(cache: list):
+    for c in cache:
+        if isinstance(c, CacheList):
+            yield from _layers(c.caches)
+        else:
+            yield c
+
+
 def rollback(cache: list, n: int) -> None:
-    """Drop the last `n` positions from every layer."""
+    """Drop the last `n` positions from every attention layer.
+
+    Recurrent layers cannot drop positions: use a `Checkpoint` for caches
+    that have them.
+    """
     if n > 0:
-        for c in cache:
-            c.trim(n)
+        for c in _layers(cache):
+            if not isinstance(c, ArraysCache):
+                c.trim(n)
 
 
-def cache_length(cache: list) -> int:
-    return cache[0].offset if cache else 0
+def is_recurrent(cache: list) -> bool:
+    return any(isinstance(c, ArraysCache) for c in _layers(cache))
+
+
+class Checkpoint:
+    """The state of `cache` before a block of tokens is fed to `model`.
+
+    Once the block's fate is known, `keep(kept, fed)` leaves the cache as if
+    only `kept` (a prefix of the `fed` tokens consumed since the checkpoint)
+    had been fed.
+    """
+
+    def __init__(self, model, cache: list):
+        self.model, self.cache = model, cache
+        self.states = [(c, list(c.cache)) for c in _layers(cache) if isinstance(c, ArraysCache)]
+
+    def keep(self, kept: Sequence[int], fed: int) -> None:
+        drop = fed - len(kept)
+        if drop <= 0:
+            return
+        if not self.states:
+            rollback(self.cache, drop)
+            return
+        rollback(self.cache, fed)
+        for c, state in self.states:
+            c.cache = list(state)
+        if kept:  # replay; stays lazy until the next evaluation
+            self.model(mx.array(list(kept), mx.uint32)[None], cache=self.cache)

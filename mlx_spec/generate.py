@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import accept
-from .cache import MAX_DRAFT, cache_length, prepare_cache, rollback
+from .cache import MAX_DRAFT, Checkpoint, prepare_cache
 from .drafters.base import EMPTY, Draft, Drafter
 from .sampling import Sampling
 from .stats import SpecStats
@@ -59,6 +59,8 @@ class Verifier:
     def __init__(self, model, cache: list, sampling: Sampling, tap_ids: tuple = ()):
         self.model, self.cache, self.sampling = model, cache, sampling
         self.taps = Taps(model, tap_ids) if tap_ids else None
+        self.consumed = 0  # tokens the target's cache holds from this call
+        self._last: tuple[Checkpoint, list[int]] | None = None
 
     def _read_taps(self, keep: int) -> dict | None:
         return None if self.taps is None else {i: h[:keep] for i, h in self.taps.read().items()}
@@ -73,19 +75,36 @@ class Verifier:
             if chunk is not chunks[-1]:
                 mx.eval([c.state for c in self.cache], taps[-1])
         y = self.sampling.sample(logits[0, -1]).item()
+        self.consumed = len(tokens)
         if self.taps is None:
             return y, None
         return y, {i: mx.concatenate([t[i] for t in taps]) for i in taps[0]}
 
     def step(self, y: int, draft: Draft) -> Verdict:
         """Verify `draft` after y: one target forward, acceptance, rollback."""
-        inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
-        logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
-        n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
-        out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
-        *proposed, nxt, n = out.tolist()  # the one host sync of the step
-        rollback(self.cache, draft.size - n)
+        ckpt = Checkpoint(self.model, self.cache)
+        fed = 1 + draft.size
+        try:
+            inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
+            logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
+            n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
+            out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
+            *proposed, nxt, n = out.tolist()  # the one host sync of the step
+        except BaseException:
+            ckpt.keep([], fed)  # leave the cache as it was before the step
+            raise
+        kept = [y] + proposed[:n]
+        ckpt.keep(kept, fed)
+        self._last, self.consumed = (ckpt, kept), self.consumed + len(kept)
         return Verdict(proposed, n, nxt, self._read_taps(n + 1))
+
+    def truncate(self, drop: int) -> None:
+        """Forget the last `drop` (<= the last step's) consumed tokens."""
+        if drop > 0 and self._last is not None:
+            ckpt, kept = self._last
+            ckpt.keep(kept[: len(kept) - drop], len(kept))
+            self.consumed -= drop
+            self._last = None
 
     def close(self) -> None:
         if self.taps is not None:
@@ -135,7 +154,6 @@ def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, 
     detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
     detok.reset()
     verifier = Verifier(model, cache, sampling, drafter.taps if drafter is not None else ())
-    committed_base = cache_length(cache) + len(ids) - 1  # cache size with 1 token emitted
     tic = time.perf_counter()
     y, taps = verifier.prefill(ids)
     if drafter is not None:
@@ -167,8 +185,9 @@ def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, 
             block, y = [(t, i < v.n) for i, t in enumerate(v.emitted)], v.token
     finally:
         verifier.close()
-        # Drop what the caller never saw (and anything a failed step left behind).
-        rollback(cache, cache_length(cache) - committed_base - max(emitted, 1))
+        # The cache keeps what the caller saw: the prompt and all emitted tokens but the last.
+        if emitted:
+            verifier.truncate(verifier.consumed - (len(ids) + emitted - 1))
 
 
 def _finish_stats(stats: SpecStats, emitted: int, tic: float) -> None:

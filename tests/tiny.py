@@ -9,7 +9,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 VOCAB = 96
 
 
-def tokenizer(vocab: int = VOCAB, eos: int = 0) -> TokenizerWrapper:
+def tokenizer(vocab: int = VOCAB, eos: int | None = None) -> TokenizerWrapper:
     """A word-level tokenizer over ids 0..vocab-1 ("w0".."w95"); `eos` ends text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -18,7 +18,8 @@ def tokenizer(vocab: int = VOCAB, eos: int = 0) -> TokenizerWrapper:
     tok = Tokenizer(models.WordLevel(words, unk_token="w1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"w{eos}", unk_token="w1")
+    eos_token = None if eos is None else f"w{eos}"
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, unk_token="w1")
     return TokenizerWrapper(hf)
 
 
@@ -69,5 +70,24 @@ def gemma3_model(seed=0, layers=4, window=8, vocab=VOCAB):
     model = gemma3_text.Model(args)
     emb = model.model.embed_tokens
     emb.weight = emb.weight * 3  # tied head: sharpen through the embedding
+    mx.eval(model.parameters())
+    return model
+
+
+def qwen3_5_model(seed=0, layers=4, vocab=VOCAB):
+    """Hybrid Qwen3.5 text model: GatedDeltaNet (ArraysCache) + full-attention layers."""
+    from mlx_lm.models import qwen3_5
+
+    mx.random.seed(seed)
+    text = dict(
+        model_type="qwen3_5_text", hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=vocab, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        full_attention_interval=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )
+    model = qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
+    lm = model.language_model
+    lm.lm_head.weight = lm.lm_head.weight * 8
     mx.eval(model.parameters())
     return model

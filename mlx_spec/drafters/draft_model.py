@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..cache import make_cache, rollback
+from ..cache import Checkpoint, make_cache
 from ..sampling import Sampling
 from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
 
@@ -33,6 +33,7 @@ class DraftModelDrafter:
         self.cache: list = []
         self._pending: list[int] = []  # committed tokens the draft has not consumed
         self._k = 0  # size of the outstanding proposal (0: none)
+        self._ckpt: Checkpoint | None = None
 
     def bind(self, model, tokenizer) -> None:
         v_t, v_d = vocab_size(model), vocab_size(self.model)
@@ -66,7 +67,8 @@ class DraftModelDrafter:
         self._pending = tokens[-1:]
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        logits = self._logits(mx.array(self._pending + [y], mx.uint32))
+        self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
+        logits = self._logits(mx.array(self._fed, mx.uint32))
         tokens, qs = [], []
         for i in range(k):
             if sampling.greedy:
@@ -87,10 +89,11 @@ class DraftModelDrafter:
             self._pending += tokens
             return
         n = len(tokens) - 1  # accepted drafts; tokens = [y, d0 .. d(n-1)]
-        # The draft consumed y, d0 .. d(k-2); keep y and the accepted ones among them.
-        rollback(self.cache, (self._k - 1) - min(n, self._k - 1))
+        # The draft consumed pending + [y, d0 .. d(k-2)]; keep the committed part.
+        kept = self._fed + tokens[1 : self._k]
+        self._ckpt.keep(kept, len(self._fed) + self._k - 1)
         self._pending = tokens[-1:] if n == self._k else []
-        self._k = 0
+        self._k, self._ckpt = 0, None
 
 
 def _check_same_vocab(target_tok, draft_tok) -> None:
