@@ -10,6 +10,7 @@ from __future__ import annotations
 from .cache import CacheRollbackError, make_cache
 from .drafters import Draft, Drafter, DraftModelDrafter, NGramDrafter
 from .generate import Response, generate, stream_generate
+from .heads import load_drafter
 from .sampling import Sampling
 from .stats import SpecStats
 
@@ -33,5 +34,5 @@ def load(path_or_repo: str):
 
 __all__ = [
     "CacheRollbackError", "Draft", "Drafter", "DraftModelDrafter", "NGramDrafter",
-    "Response", "Sampling", "SpecStats", "generate", "load", "make_cache", "stream_generate",
+    "Response", "Sampling", "SpecStats", "generate", "load", "load_drafter", "make_cache", "stream_generate",
 ]

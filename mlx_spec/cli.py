@@ -19,6 +19,7 @@ COMMANDS = {
 }
 CONVERTERS = {
     "gguf": ("converters.gguf", "convert a GGUF file into an MLX model folder"),
+    "head": ("converters.head", "import an EAGLE/MTP/DFlash/DSpark drafter head"),
 }
 
 

@@ -1,0 +1,184 @@
+"""Shared pieces of every head converter: read a checkpoint, rename by table, check, write.
+
+A converter is a key-mapping table plus a few format rules. This module does
+the rest the same way for all of them:
+
+* `resolve_source`   a local folder, or a Hugging Face repo id (downloaded);
+* `read_config` / `read_tensors`   config.json and every tensor (safetensors,
+  sharded or not; `pytorch_model.bin` through `converters.torch_bin`, which
+  never executes pickled code);
+* `rename`           apply a `[(regex, replacement | None)]` table; a source
+  key no rule covers is an error (nothing is silently dropped);
+* `check_shapes`     every expected tensor present with its exact shape;
+* `write_head`       config.json + model.safetensors (optionally quantized),
+  built in a hidden sibling folder and renamed at the end (`staging_dir`), so
+  a failed conversion leaves nothing behind and an existing folder is refused
+  unless `force`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+HEAD_FORMAT_VERSION = 1
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted: the message names the problem and the fix."""
+
+
+def resolve_source(src: str | Path) -> Path:
+    """A local folder as is; otherwise a Hugging Face repo id, downloaded (cached)."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ConversionError(f"{src} is a file; give the checkpoint's folder")
+    if str(src).count("/") != 1 or str(src).startswith((".", "/", "~")):
+        raise ConversionError(f"no folder at {src} (and it is not a Hugging Face repo id 'org/name')")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"]
+    return Path(snapshot_download(str(src), allow_patterns=patterns))
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder} has no config.json")
+    return json.loads(path.read_text())
+
+
+def read_tensors(folder: Path) -> dict:
+    """Every tensor of the checkpoint in `folder`, as MLX arrays (lazily loaded)."""
+    import mlx.core as mx
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        weights = {}
+        for f in files:
+            weights.update(mx.load(str(f)))
+        return weights
+    bins = sorted(folder.glob("*.bin"))
+    if bins:
+        from .torch_bin import load_torch_bin
+
+        weights = {}
+        for f in bins:
+            weights.update(load_torch_bin(f))
+        return weights
+    raise ConversionError(f"{folder} has no *.safetensors or *.bin weights")
+
+
+def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:
+    """Apply the first matching `(pattern, replacement)`; None drops the key on purpose."""
+    out, unmapped = {}, []
+    for key, value in weights.items():
+        for pattern, repl in table:
+            if re.fullmatch(pattern, key):
+                if repl is not None:
+                    out[re.sub(pattern, repl, key)] = value
+                break
+        else:
+            unmapped.append(key)
+    if unmapped:
+        raise ConversionError(
+            f"{len(unmapped)} tensor(s) in the checkpoint match no known key, e.g. "
+            f"{unmapped[:5]}; is this the right --format?"
+        )
+    return out
+
+
+def check_shapes(weights: dict, expected: dict[str, tuple[int, ...]], what: str) -> None:
+    """Every expected key present with its exact shape, and nothing else."""
+    missing = [k for k in expected if k not in weights]
+    if missing:
+        raise ConversionError(f"{what}: missing tensor(s) {missing[:5]}")
+    bad = [
+        f"{k}: {tuple(weights[k].shape)} (expected {tuple(s)})"
+        for k, s in expected.items()
+        if tuple(weights[k].shape) != tuple(s)
+    ]
+    if bad:
+        raise ConversionError(f"{what}: misshaped tensor(s) " + "; ".join(bad[:5]))
+    extra = [k for k in weights if k not in expected]
+    if extra:
+        raise ConversionError(f"{what}: unexpected tensor(s) {extra[:5]}")
+
+
+@contextlib.contextmanager
+def staging_dir(out_dir: Path, force: bool = False) -> Iterator[Path]:
+    """A hidden sibling of `out_dir` to build in, renamed to `out_dir` only on success."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not force:
+        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.exists():
+            if not force:
+                raise ConversionError(f"{out_dir} appeared while converting; not replacing it")
+            old = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(4)}"
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:  # KeyboardInterrupt too: never leave a half-written folder
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_head(
+    out_dir: Path,
+    config: dict,
+    weights: dict,
+    *,
+    quantize_bits: int | None = None,
+    group_size: int = 64,
+    force: bool = False,
+) -> Path:
+    """Write a converted head folder; 2-D Linear weights are quantized when asked."""
+    import mlx.core as mx
+
+    config = dict(config)
+    if quantize_bits is not None:
+        if quantize_bits not in (4, 8):
+            raise ConversionError(f"--q-bits must be 4 or 8, got {quantize_bits}")
+        quantized = {}
+        for key, w in weights.items():
+            if _quantizable(key, w, group_size):
+                base = key[: -len(".weight")]
+                q, s, b = mx.quantize(w, group_size=group_size, bits=quantize_bits)
+                quantized.update({key: q, f"{base}.scales": s, f"{base}.biases": b})
+            else:
+                quantized[key] = w
+        weights = quantized
+        config["quantization"] = {"group_size": group_size, "bits": quantize_bits}
+    with staging_dir(Path(out_dir), force) as tmp:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return Path(out_dir)
+
+
+def _quantizable(key: str, w, group_size: int) -> bool:
+    # Linear and embedding weights; norms, biases and id tables stay as they are.
+    return key.endswith(".weight") and w.ndim == 2 and w.shape[-1] % group_size == 0
+
+
+def target_identity(model_config: dict) -> dict:
+    """What a head records about the target it was converted for (checked at load)."""
+    text = model_config.get("text_config", model_config)
+    return {
+        k: text.get(k, model_config.get(k))
+        for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")
+    }

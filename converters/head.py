@@ -1,0 +1,68 @@
+"""`mlx-spec convert head SRC OUT --target TARGET [--format ...]`: import a drafter head.
+
+Each format registers a converter module in `FORMATS`; `auto` asks each
+module's `detect(config, tensor_names) -> bool` in order. A converter module
+exposes `convert(src_folder, out_dir, target_folder, *, quantize_bits, force)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+# format name -> converter module (checked in this order by --format auto)
+FORMATS: dict[str, str] = {}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("src", help="checkpoint folder or Hugging Face repo id")
+    parser.add_argument("out", type=Path, help="output folder (must not exist unless --force)")
+    parser.add_argument("--target", help="the target model folder the head drafts for")
+    parser.add_argument("--format", default="auto", help="auto (default) or one of: " + ", ".join(FORMATS))
+    parser.add_argument("-q", "--quantize", action="store_true", help="quantize the head's Linear weights")
+    parser.add_argument("--q-bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--q-group-size", type=int, default=64)
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+
+
+def detect(src: Path) -> str:
+    from .common import read_config
+
+    config = read_config(src)
+    names = _tensor_names(src)
+    for name, module in FORMATS.items():
+        if importlib.import_module(module).detect(config, names):
+            return name
+    raise ValueError(
+        f"{src}: cannot tell the head format from its config and tensor names; "
+        f"pass --format (one of {', '.join(FORMATS)})"
+    )
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    from .common import read_tensors
+
+    return set(read_tensors(folder))
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import ConversionError, resolve_source
+
+    try:
+        src = resolve_source(args.src)
+        fmt = detect(src) if args.format == "auto" else args.format
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown --format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+        module = importlib.import_module(FORMATS[fmt])
+        out = module.convert(
+            src, args.out, args.target,
+            quantize_bits=args.q_bits if args.quantize else None,
+            group_size=args.q_group_size, force=args.force,
+        )
+    except (ConversionError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0

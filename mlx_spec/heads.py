@@ -1,0 +1,86 @@
+"""Loading head drafters: `load_drafter(path, model)` and the folder contract.
+
+A converted head folder holds `config.json` and `model.safetensors`. Its config
+has an `mlx_spec` block:
+
+    {"mlx_spec": {"format": 1, "drafter": "eagle3", "taps": [2, 16, 29],
+                  "target": {"model_type": ..., "hidden_size": ...,
+                             "num_hidden_layers": ..., "vocab_size": ...}},
+     ... the head's own architecture fields ...}
+
+`drafter` names a loader in `LOADERS` ("module:function", imported on use);
+each loader takes `(folder, config, model)` and returns a drafter. A folder
+without that block may still be a target checkpoint that carries drafter
+weights (MTP, DSpark): `TARGET_PROBES` are asked in order whether they
+recognise it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# kind -> "module:function(folder, config, model) -> Drafter"
+LOADERS: dict[str, str] = {}
+# "module:function(folder, config, model) -> Drafter | None" for target folders
+TARGET_PROBES: list[str] = []
+
+
+def _call(spec: str, *args):
+    module, func = spec.split(":")
+    return getattr(importlib.import_module(module), func)(*args)
+
+
+def read_head_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} is not a head or model folder (no config.json)")
+    return json.loads(path.read_text())
+
+
+def check_target(head: dict, model, where: str) -> None:
+    """Refuse a head converted for a different target, naming what differs."""
+    want = head.get("mlx_spec", {}).get("target", {})
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    have = dict(text) if isinstance(text, dict) else vars(args) if args is not None else {}
+    diffs = [
+        f"{k}: head made for {v}, target has {have[k]}"
+        for k, v in want.items()
+        if v is not None and k in have and have[k] != v and k != "model_type"
+    ]
+    if diffs:
+        raise ValueError(
+            f"{where} was converted for another target ({'; '.join(diffs)}). "
+            "Convert the head again with --target pointing at this model."
+        )
+
+
+def load_drafter(path: str | Path, model):
+    """The drafter a folder describes, bound to `model` (the target).
+
+    `path` is a converted head folder, or a target checkpoint folder that
+    carries drafter weights (e.g. MTP layers).
+    """
+    folder = Path(path).expanduser()
+    config = read_head_config(folder)
+    block = config.get("mlx_spec")
+    if block is not None:
+        kind = block.get("drafter")
+        if kind not in LOADERS:
+            raise ValueError(
+                f"{folder}: unknown drafter kind {kind!r} (this mlx-spec knows "
+                f"{sorted(LOADERS)}); was it converted by a newer version?"
+            )
+        check_target(config, model, str(folder))
+        return _call(LOADERS[kind], folder, config, model)
+    for probe in TARGET_PROBES:
+        drafter = _call(probe, folder, config, model)
+        if drafter is not None:
+            return drafter
+    raise ValueError(
+        f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) "
+        "nor a target checkpoint with drafter weights; convert it with "
+        "`mlx-spec convert head`"
+    )
