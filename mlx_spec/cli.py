@@ -1,8 +1,8 @@
 """The `mlx-spec` command line: one subcommand per job.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and
-`run(args) -> int`; the heavy imports (mlx, mlx-lm) happen inside `run`, so
-`mlx-spec --help` stays instant.
+`run(args) -> int`. Only the chosen command's module is imported, and heavy
+imports (mlx, mlx-lm) happen inside `run`, so `--help` stays instant.
 """
 
 from __future__ import annotations
@@ -23,19 +23,23 @@ CONVERTERS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with arguments attached only for the command `argv` names."""
+    words = [a for a in argv if not a.startswith("-")]
     parser = argparse.ArgumentParser(
         prog="mlx-spec", description="Lossless speculative decoding with MLX."
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        _attach(p, module)
+        if words[:1] == [name]:
+            _attach(p, module)
     convert = sub.add_parser("convert", help="convert checkpoints into MLX folders")
     kinds = convert.add_subparsers(dest="kind", metavar="KIND", required=True)
     for name, (module, help_) in CONVERTERS.items():
         p = kinds.add_parser(name, help=help_, description=help_)
-        _attach(p, module)
+        if words[:2] == ["convert", name]:
+            _attach(p, module)
     return parser
 
 
@@ -46,7 +50,8 @@ def _attach(parser: argparse.ArgumentParser, module_name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args._run(args) or 0
     except KeyboardInterrupt:

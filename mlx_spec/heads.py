@@ -11,8 +11,8 @@ has an `mlx_spec` block:
 `drafter` names a loader in `LOADERS` ("module:function", imported on use);
 each loader takes `(folder, config, model)` and returns a drafter. A folder
 without that block may still be a target checkpoint that carries drafter
-weights (MTP, DSpark): `TARGET_PROBES` are asked in order whether they
-recognise it.
+weights (MTP, DSpark): the `TARGET_PROBES` (kind -> loader that returns None
+when the folder has no such weights) are asked in order.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 
 # kind -> "module:function(folder, config, model) -> Drafter"
 LOADERS: dict[str, str] = {}
-# "module:function(folder, config, model) -> Drafter | None" for target folders
-TARGET_PROBES: list[str] = []
+# kind -> "module:function(folder, config, model) -> Drafter | None" for target folders
+TARGET_PROBES: dict[str, str] = {}
 
 
 def _call(spec: str, *args):
@@ -57,30 +57,35 @@ def check_target(head: dict, model, where: str) -> None:
         )
 
 
-def load_drafter(path: str | Path, model):
-    """The drafter a folder describes, bound to `model` (the target).
+def load_drafter(path: str | Path, model, kind: str | None = None):
+    """The drafter a folder describes, for `model` (the target).
 
     `path` is a converted head folder, or a target checkpoint folder that
-    carries drafter weights (e.g. MTP layers).
+    carries drafter weights (e.g. MTP layers); `kind` ("mtp", "dspark", ...)
+    insists on one kind of drafter.
     """
     folder = Path(path).expanduser()
     config = read_head_config(folder)
     block = config.get("mlx_spec")
     if block is not None:
-        kind = block.get("drafter")
-        if kind not in LOADERS:
+        found = block.get("drafter")
+        if found not in LOADERS:
             raise ValueError(
-                f"{folder}: unknown drafter kind {kind!r} (this mlx-spec knows "
+                f"{folder}: unknown drafter kind {found!r} (this mlx-spec knows "
                 f"{sorted(LOADERS)}); was it converted by a newer version?"
             )
+        if kind is not None and found != kind:
+            raise ValueError(f"{folder} holds a {found} head, not {kind}")
         check_target(config, model, str(folder))
-        return _call(LOADERS[kind], folder, config, model)
-    for probe in TARGET_PROBES:
-        drafter = _call(probe, folder, config, model)
-        if drafter is not None:
-            return drafter
+        return _call(LOADERS[found], folder, config, model)
+    for name, probe in TARGET_PROBES.items():
+        if kind in (None, name):
+            drafter = _call(probe, folder, config, model)
+            if drafter is not None:
+                return drafter
+    wanted = f"{kind} weights" if kind else "drafter weights"
     raise ValueError(
         f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) "
-        "nor a target checkpoint with drafter weights; convert it with "
+        f"nor a target checkpoint with {wanted}; convert a head with "
         "`mlx-spec convert head`"
     )
