@@ -1,0 +1,141 @@
+"""Rollback property: after any sequence of verify/keep steps, the cache is as if only
+the committed tokens had ever been fed."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import (
+    ArraysCache,
+    ChunkedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
+import tiny
+from mlx_spec.cache import (
+    CacheRollbackError,
+    Checkpoint,
+    WindowKVCache,
+    make_cache,
+    prepare_cache,
+)
+
+
+def quantized(model):
+    return [c.to_quantized(group_size=32, bits=8) for c in make_prompt_cache(model)]
+
+
+MODELS = {
+    "kv": (lambda: tiny.llama_model(), make_prompt_cache),
+    "quantized": (lambda: tiny.llama_model(hidden=128, heads=4, kv_heads=2), quantized),
+    "window": (lambda: tiny.gemma3_model(window=8), make_prompt_cache),
+    "recurrent": (lambda: tiny.qwen3_5_model(), make_prompt_cache),
+}
+_built = {}
+
+
+def model_for(name):
+    if name not in _built:
+        _built[name] = MODELS[name][0]()
+    return _built[name]
+
+
+def next_logits(model, cache, token):
+    return np.array(model(mx.array([[token]]), cache=cache)[0, -1])
+
+
+# (block length, tokens kept, seed, fed one token at a time like a draft model's chain)
+steps = st.lists(
+    st.tuples(st.integers(1, 17), st.integers(0, 17), st.integers(0, 2**31 - 1), st.booleans()),
+    min_size=1, max_size=8,
+)
+
+
+@pytest.fixture
+def small_window_buffers(monkeypatch):
+    # Compact the window buffer every few tokens so rollbacks cross compactions.
+    monkeypatch.setattr(WindowKVCache, "step", 3)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(steps=steps, prompt_len=st.integers(1, 12))
+def test_rollback_equals_fresh_cache(name, steps, prompt_len, small_window_buffers):
+    model = model_for(name)
+    make_ref = MODELS[name][1]
+    rng = np.random.default_rng(prompt_len)
+    committed = rng.integers(0, tiny.VOCAB, prompt_len).tolist()
+    cache = prepare_cache(model, make_ref(model))
+    model(mx.array([committed]), cache=cache)
+    for block_len, keep, seed, chained in steps:
+        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, block_len).tolist()
+        keep = min(keep, block_len)
+        ckpt = Checkpoint(model, cache)
+        for chunk in [[t] for t in block] if chained else [block]:
+            model(mx.array([chunk]), cache=cache)
+            mx.eval([c.state for c in cache])
+        ckpt.keep(block[:keep], block_len)
+        committed += block[:keep]
+    fresh = make_ref(model)
+    model(mx.array([committed]), cache=fresh)
+    got, want = next_logits(model, cache, 7), next_logits(model, fresh, 7)
+    tol = 2e-2 if name == "quantized" else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_window_cache_holds_only_what_rollback_needs():
+    model = model_for("window")
+    cache = make_cache(model)
+    assert any(isinstance(c, WindowKVCache) for c in cache)
+    for _ in range(40):
+        model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
+    win = next(c for c in cache if isinstance(c, WindowKVCache))
+    assert win.offset == 200
+    assert win._len <= win.window - 1 + win.spare + 5 + win.step
+
+
+def test_window_cache_refuses_a_rollback_past_its_spare():
+    c = WindowKVCache(window=4, spare=2)
+    c.update_and_fetch(mx.zeros((1, 1, 300, 2)), mx.zeros((1, 1, 300, 2)))
+    # This write overflows the buffer: only window - 1 + spare = 5 old positions stay.
+    c.update_and_fetch(mx.zeros((1, 1, 257, 2)), mx.zeros((1, 1, 257, 2)))
+    assert c._len == 5 + 257
+    with pytest.raises(CacheRollbackError):
+        c.trim(257 + 3)  # would leave 2 < window - 1 positions for the next query
+    assert c.trim(257 + 2) == 259 and c.offset == 300 - 2
+
+
+def test_filled_rotating_prompt_cache_is_taken_over():
+    model = model_for("window")
+    rotating = make_prompt_cache(model)
+    model(mx.array([list(range(20))]), cache=rotating)
+    for i in range(5):  # single-token steps wrap the ring
+        model(mx.array([[i]]), cache=rotating)
+    reference = make_prompt_cache(model)
+    model(mx.array([list(range(20)) + list(range(5))]), cache=reference)
+    converted = prepare_cache(model, rotating)
+    assert rotating is converted and isinstance(converted[0], WindowKVCache)
+    np.testing.assert_allclose(
+        next_logits(model, converted, 3), next_logits(model, reference, 3), rtol=1e-4, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize(
+    "cache, match",
+    [
+        (ChunkedKVCache(8), "ChunkedKVCache"),
+        (RotatingKVCache(max_size=8, keep=4), "keep=4"),
+    ],
+)
+def test_unsupported_caches_are_refused_by_name(cache, match):
+    with pytest.raises(CacheRollbackError, match=match):
+        prepare_cache(None, [KVCache(), cache])
+
+
+def test_supported_layers_pass_through():
+    caches = [KVCache(), QuantizedKVCache(), ArraysCache(2)]
+    assert prepare_cache(None, list(caches)) == caches

@@ -1,0 +1,78 @@
+"""Prompt lookup on literal token lists."""
+
+import pytest
+
+from mlx_spec import NGramDrafter
+from mlx_spec.drafters.ngram import NGramIndex
+from mlx_spec.sampling import Sampling
+
+G = Sampling()
+
+
+def proposal(context, y, k=4, **kw):
+    d = NGramDrafter(**kw)
+    d.bind(None, None)
+    d.prefill(context, None)
+    return d.propose(y, k, G).tokens.tolist()
+
+
+def test_longest_match_wins():
+    # Suffix (7, 8) after 1-gram-matching 8 elsewhere: the 2-gram's continuation wins.
+    ctx = [8, 50, 51, 7, 8, 60, 61, 62, 7]
+    assert proposal(ctx, 8, min_n=1, max_n=3) == [60, 61, 62, 7]
+
+
+def test_most_recent_occurrence_wins():
+    ctx = [3, 4, 10, 11, 3, 4, 20, 21, 3]
+    assert proposal(ctx, 4, k=2, min_n=2, max_n=2) == [20, 21]
+
+
+def test_no_match_proposes_nothing():
+    assert proposal([1, 2, 3, 4], 9) == []
+    assert proposal([1, 2, 3, 4], 4, min_n=2) == []  # (4, 4) never occurred
+
+
+def test_continuation_runs_into_y():
+    # [5, 6] occurred ending right before y's position: the continuation is y itself.
+    assert proposal([1, 5, 6, 5], 6, k=3, min_n=2, max_n=2) == [5, 6]
+
+
+def test_k_limits_the_proposal():
+    assert proposal([1, 2, 3, 4, 5, 6, 1], 2, k=2) == [3, 4]
+
+
+def test_corpus_is_a_fallback_only():
+    d = NGramDrafter(min_n=2, max_n=2, corpus=[9, 1, 2, 70, 71])
+    d.bind(None, None)
+    d.prefill([5, 1], None)
+    assert d.propose(2, 2, G).tokens.tolist() == [70, 71]  # context has no (1, 2)
+    d.commit([2, 40, 41, 1], None)
+    assert d.propose(2, 2, G).tokens.tolist() == [40, 41]  # now the context has it
+
+
+def test_corpus_file_is_tokenized(tmp_path):
+    import tiny
+
+    path = tmp_path / "corpus.txt"
+    path.write_text("w3 w4 w5 w6")
+    d = NGramDrafter(min_n=2, max_n=2, corpus=path)
+    d.bind(None, tiny.tokenizer())
+    d.prefill([1, 3], None)
+    assert d.propose(4, 2, G).tokens.tolist() == [5, 6]
+    with pytest.raises(ValueError, match="not found"):
+        NGramDrafter(corpus=tmp_path / "missing.txt").bind(None, tiny.tokenizer())
+
+
+def test_index_is_incremental_and_bounded_per_token():
+    idx = NGramIndex(1, 3)
+    idx.extend([1, 2, 3])
+    size = len(idx.last_end)
+    idx.extend([4])
+    assert len(idx.last_end) - size <= 3  # one entry per n at most
+    assert idx.last_end[(2, 3, 4)] == 3
+
+
+@pytest.mark.parametrize("kw", [dict(min_n=0), dict(min_n=3, max_n=2)])
+def test_bad_n_is_refused(kw):
+    with pytest.raises(ValueError):
+        NGramDrafter(**kw)
