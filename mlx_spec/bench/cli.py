@@ -1,0 +1,198 @@
+"""`mlx-spec bench`: flags, presets, and the run from loading models to the report.
+
+Only argparse at import time: the CLI builds its parser from this module, and
+mlx / mlx-lm / matplotlib load inside `run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+DEFAULTS = {  # sized so the default run on SmolLM2-135M takes a few minutes on a CPU
+    "model": "smollm2-135m-instruct",
+    "methods": "baseline,mlx-spec,mlx-lm-draft,ngram,draft",
+    "num_draft_tokens": "2,4",
+    "suites": None,  # all
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help=f"target: model folder, zoo name or HF repo (default {DEFAULTS['model']})")
+    p.add_argument("--draft-model", help="draft model for mlx-lm-draft and draft (folder, zoo name, repo)")
+    p.add_argument("--drafter", help="head drafter folder for the mtp/eagle3/dflash/dspark methods")
+    p.add_argument("--methods", help=f"comma list (default {DEFAULTS['methods']}; methods whose "
+                   "models are not given are skipped; 'baseline' is always run)")
+    p.add_argument("--suites", help="comma list of prompt suites (default: all)")
+    p.add_argument("--num-draft-tokens", help="comma list of draft lengths to sweep, e.g. 2,4,auto "
+                   f"(default {DEFAULTS['num_draft_tokens']}; mlx-lm-draft also always runs at its default 2)")
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per run (default 64)")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds over all prompts (default 1)")
+    p.add_argument("--prompts-per-suite", type=int, default=1,
+                   help="first N prompts of each suite (default 1; 0 = all)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every method)")
+    p.add_argument("--cost-repeats", type=int, default=3,
+                   help="timed passes for the verify cost curve (0 skips it)")
+    p.add_argument("--cost-context", type=int, default=256, help="cache length behind the verify blocks")
+    p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
+    p.add_argument("--preset", help="reproduce a claim's configuration; --list-presets shows them")
+    p.add_argument("--list-presets", action="store_true", help="list presets and claims, then exit")
+    p.add_argument("--claims", action="store_true", help="print published claims next to the measurements")
+    p.add_argument("--load", metavar="JSON", help="rebuild the report from a saved results.json; no run")
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import claims as claims_mod
+
+    if args.list_presets:
+        _list_presets()
+        return 0
+    if args.load:
+        result = json.loads(Path(args.load).read_text())
+        return _report(result, args, Path(args.out) if args.out != "bench-results" else Path(args.load).parent)
+    if args.preset:
+        preset = claims_mod.PRESETS.get(args.preset)
+        if preset is None:
+            print(f"unknown preset {args.preset!r}; known: {', '.join(claims_mod.PRESETS)}", file=sys.stderr)
+            return 2
+        missing = claims_mod.missing_for(preset, args.model, args.drafter, args.draft_model)
+        if missing:
+            print(f"preset {preset.name} ({preset.summary}) cannot run here. Missing:", file=sys.stderr)
+            for m in missing:
+                print(f"  - {m}", file=sys.stderr)
+            return 2
+        _apply_preset(args, preset)
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    result = _measure(args)
+    return _report(result, args, Path(args.out))
+
+
+def _apply_preset(args, preset) -> None:
+    args.model = args.model or preset.model.name
+    if preset.draft is not None:
+        args.draft_model = args.draft_model or preset.draft.name
+    args.methods = args.methods or ",".join(preset.methods)
+    args.num_draft_tokens = args.num_draft_tokens or ",".join(map(str, preset.ks))
+    if preset.suites and not args.suites:
+        args.suites = ",".join(preset.suites)
+
+
+def parse_ks(text: str) -> list:
+    """'2,4,auto' -> [2, 4, 'auto']."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if part:
+            out.append(int(part) if part.lstrip("-").isdigit() else part)
+    return out
+
+
+def resolve_model(name: str) -> str:
+    """A folder stays a folder; 'org/name' is a Hugging Face repo; a bare name is a zoo model."""
+    path = Path(name).expanduser()
+    if path.exists() or "/" in name:
+        return str(path) if path.exists() else name
+    try:
+        from mlx_spec import zoo
+    except ImportError as e:
+        raise SystemExit(f"{name!r} is not a folder and the model zoo is unavailable ({e})")
+    return str(zoo.fetch(name, dtype="float32"))
+
+
+def _measure(args) -> dict:
+    import mlx_spec
+
+    from .cost import verify_times
+    from .hardware import describe, hardware_info
+    from .harness import run_bench
+    from .methods import BASELINE, Context, plan_variants
+    from .suites import encode_chat, load_prompts, suite_names
+    from .summary import check_identical, evaluate_targets, summarize
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    suites = args.suites.split(",") if args.suites else suite_names()
+    prompts = load_prompts(suites, args.prompts_per_suite or None)
+    say(f"loading {args.model}")
+    model, tokenizer = mlx_spec.load(resolve_model(args.model))
+    ctx = Context(model, tokenizer, drafter_path=args.drafter, temp=args.temp,
+                  top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+    if args.draft_model:
+        say(f"loading draft {args.draft_model}")
+        ctx.draft_model, ctx.draft_tokenizer = mlx_spec.load(resolve_model(args.draft_model))
+    plan = plan_variants(args.methods.split(","), parse_ks(args.num_draft_tokens), ctx)
+    for s in plan.skipped:
+        say(f"skipping {s}")
+    hw = hardware_info()
+    for w in hw["warnings"]:
+        say(f"WARNING: {w}")
+    cost = None
+    if args.cost_repeats > 0:
+        say(f"measuring the verify cost curve (n = 1..16, {args.cost_context} tokens of context)")
+        seconds = verify_times(model, 16, args.cost_context, args.cost_repeats,
+                               encode_chat(tokenizer, prompts[0].text))
+        cost = {"context": args.cost_context, "seconds": seconds,
+                "relative": [t / seconds[0] for t in seconds]}
+    say(f"{len(plan.variants)} methods x {len(prompts)} prompts x {args.repeats} repeats, "
+        f"{args.max_tokens} new tokens each")
+    tic = time.time()
+    records = run_bench(ctx, plan.variants, prompts, repeats=args.repeats,
+                        max_tokens=args.max_tokens, seed=args.seed)
+    summary = summarize(records, BASELINE)
+    identical = check_identical(records, BASELINE)
+    return {
+        "schema": 1,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": "mlx-spec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+        if sys.argv[1:2] == ["bench"] else " ".join(shlex.quote(a) for a in sys.argv),
+        "wall_s": time.time() - tic,
+        "config": {
+            "model_name": args.model, "draft_model": args.draft_model, "drafter": args.drafter,
+            "methods": [v.label for v in plan.variants], "baseline": BASELINE,
+            "num_draft_tokens": parse_ks(args.num_draft_tokens), "suites": suites,
+            "prompts_per_suite": args.prompts_per_suite, "max_tokens": args.max_tokens,
+            "repeats": args.repeats, "temp": args.temp, "top_p": args.top_p, "top_k": args.top_k,
+            "min_p": args.min_p, "seed": args.seed, "preset": args.preset,
+        },
+        "hardware": hw,
+        "hardware_line": describe(hw),
+        "verify_cost": cost,
+        "summary": summary,
+        "identical": identical,
+        "targets": evaluate_targets(summary, identical, greedy=args.temp == 0),
+        "skipped": plan.skipped,
+        "runs": records,
+    }
+
+
+def _report(result: dict, args, out: Path) -> int:
+    from . import claims as claims_mod
+    from .report import chart, markdown, write_json
+
+    print(markdown(result))
+    if not args.load:
+        write_json(result, out / "results.json")
+        print(f"\nresults: {out / 'results.json'}", file=sys.stderr)
+    skipped = chart(result, out / "chart.png")
+    print(skipped or f"chart: {out / 'chart.png'}", file=sys.stderr)
+    if args.claims:
+        print()
+        print(claims_mod.claims_markdown(claims_mod.compare(result, claims_mod.load_claims()), result))
+    return 0
+
+
+def _list_presets() -> None:
+    from .claims import PRESETS, load_claims
+
+    for p in PRESETS.values():
+        print(f"{p.name}: {p.summary}\n    claims: {', '.join(p.claims)}")
+    print("\nclaims: " + ", ".join(c["id"] for c in load_claims()))

@@ -1,0 +1,165 @@
+"""From run records to the numbers people compare: medians, spreads, ratios, checks.
+
+Pure functions over the harness's records (dicts), so every rule here can be
+tested on literal numbers. A speed-up is the ratio of a method's decode speed
+to the baseline's on the same prompt in the same round, never a ratio of two
+medians taken at different times; the median and the min-max spread are over
+those paired ratios.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+ALL = "all"  # the pseudo-suite that pools every prompt
+
+
+def median(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return statistics.median(xs) if xs else None
+
+
+def spread(xs: list[float]) -> tuple[float, float] | None:
+    """(min, max) of the finite values."""
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return (min(xs), max(xs)) if xs else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where the two outputs differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _key(rec: dict) -> tuple:
+    return rec["suite"], rec["prompt"], rec["repeat"]
+
+
+def paired_speedups(records: list[dict], baseline: str) -> dict[str, list[tuple[str, float]]]:
+    """method -> [(suite, decode_tps / baseline's decode_tps on the same prompt and round)]."""
+    base = {_key(r): r["decode_tps"] for r in records if r["method"] == baseline}
+    out: dict[str, list[tuple[str, float]]] = defaultdict(list)
+    for r in records:
+        s = ratio(r["decode_tps"], base.get(_key(r)))
+        if s is not None:
+            out[r["method"]].append((r["suite"], s))
+    return out
+
+
+def check_identical(records: list[dict], baseline: str) -> dict[str, dict]:
+    """Per method: how many runs reproduced the baseline's tokens, and where others diverged."""
+    base = {(r["suite"], r["prompt"]): r["tokens"] for r in records
+            if r["method"] == baseline and r["repeat"] == 0}
+    out: dict[str, dict] = {}
+    for r in records:
+        ref = base.get((r["suite"], r["prompt"]))
+        if ref is None:
+            continue
+        entry = out.setdefault(r["method"], {"identical": 0, "runs": 0, "mismatches": []})
+        entry["runs"] += 1
+        at = first_difference(r["tokens"], ref)
+        if at is None:
+            entry["identical"] += 1
+        else:
+            entry["mismatches"].append({"suite": r["suite"], "prompt": r["prompt"],
+                                        "repeat": r["repeat"], "first_difference": at})
+    return out
+
+
+def _pool(rows: list[dict], speedups: list[float]) -> dict:
+    """The metrics of one method on one suite (or on all of them)."""
+    drafted = sum(r["drafted"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    forwards = sum(r["forwards"] for r in rows)
+    width = max((len(r["pos_drafted"]) for r in rows), default=0)
+    pos_d = [sum(r["pos_drafted"][i] for r in rows if i < len(r["pos_drafted"])) for i in range(width)]
+    pos_a = [sum(r["pos_accepted"][i] for r in rows if i < len(r["pos_accepted"])) for i in range(width)]
+    return {
+        "runs": len(rows),
+        "decode_tps": median([r["decode_tps"] for r in rows]),
+        "decode_tps_spread": spread([r["decode_tps"] for r in rows]),
+        "speedup": median(speedups),
+        "speedup_spread": spread(speedups),
+        "tau": ratio(accepted + forwards, forwards),
+        "acceptance_rate": ratio(accepted, drafted),
+        "accepted_per_position": [a / d for a, d in zip(pos_a, pos_d)],
+        "prompt_tps": median([r["prompt_tps"] for r in rows]),
+        "e2e_tps": median([r["e2e_tps"] for r in rows]),
+        "peak_memory_gb": max((r["peak_memory_gb"] for r in rows), default=None),
+    }
+
+
+def summarize(records: list[dict], baseline: str) -> dict[str, dict[str, dict]]:
+    """method -> suite (and "all") -> metrics; methods and suites in first-seen order."""
+    speedups = paired_speedups(records, baseline)
+    methods = list(dict.fromkeys(r["method"] for r in records))
+    suites = list(dict.fromkeys(r["suite"] for r in records))
+    out: dict[str, dict[str, dict]] = {}
+    for m in methods:
+        out[m] = {}
+        for s in [*suites, ALL]:
+            rows = [r for r in records if r["method"] == m and s in (ALL, r["suite"])]
+            sp = [x for suite, x in speedups.get(m, []) if s in (ALL, suite)]
+            if rows:
+                out[m][s] = _pool(rows, sp)
+    return out
+
+
+def best_variant(summary: dict, method: str, suite: str = ALL) -> str | None:
+    """The label of `method`'s variant (any k) with the highest median speed-up on `suite`."""
+    found = [(v[suite]["speedup"], label) for label, v in summary.items()
+             if label.split("@")[0] == method and suite in v and v[suite]["speedup"] is not None]
+    return max(found)[1] if found else None
+
+
+def _target(name: str, goal: str, value: float | None, met: bool | None, detail: str) -> dict:
+    return {"name": name, "target": goal, "value": value, "met": met, "detail": detail}
+
+
+def evaluate_targets(summary: dict, identical: dict, greedy: bool) -> list[dict]:
+    """The issue's targets, each with its measured value and whether it was met.
+
+    One n-gram configuration (the k best over all suites) must pass both of its
+    targets; each speculative method competes at its own best k.
+    """
+    out = []
+    ours, theirs = best_variant(summary, "draft"), best_variant(summary, "mlx-lm-draft")
+    if ours and theirs:
+        a, b = summary[ours][ALL]["speedup"], summary[theirs][ALL]["speedup"]
+        r = ratio(a, b)
+        out.append(_target("draft model vs mlx-lm's speculative decoding (each at its best k)",
+                           ">= 1.15x", r, r is not None and r >= 1.15,
+                           f"{ours} {a:.2f}x vs {theirs} {b:.2f}x over baseline"))
+    ng = best_variant(summary, "ngram")
+    for suite, goal, op in (("code-edit", 1.4, "at least"), ("chat", 0.95, "never below")):
+        if ng and suite in summary[ng]:
+            s = summary[ng][suite]
+            v, lo = s["speedup"], (s["speedup_spread"] or (None, None))[0]
+            # "never below" is judged on the worst prompt, "at least" on the median.
+            judged = lo if op == "never below" else v
+            out.append(_target(f"n-gram on {suite} ({ng})", f"{op} {goal}x over baseline", v,
+                               judged is not None and judged >= goal,
+                               f"median {v:.2f}x, min {lo:.2f}x" if v is not None and lo is not None
+                               else "no data"))
+    if greedy:
+        bad = {m: e for m, e in identical.items() if e["identical"] < e["runs"]}
+        runs = sum(e["runs"] for e in identical.values())
+        detail = "all runs identical" if not bad else "; ".join(
+            f"{m}: {e['runs'] - e['identical']}/{e['runs']} differ (first at token "
+            f"{e['mismatches'][0]['first_difference']} of {e['mismatches'][0]['suite']}/"
+            f"{e['mismatches'][0]['prompt']})" for m, e in bad.items())
+        out.append(_target("greedy output identical to baseline", "every method and prompt",
+                           f"{runs - sum(e['runs'] - e['identical'] for e in bad.values())}/{runs} runs",
+                           not bad, detail))
+    return out

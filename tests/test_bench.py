@@ -1,0 +1,270 @@
+"""The benchmark harness on tiny random models: plumbing, statistics and checks, no timing.
+
+Benchmarks are scripts; nothing here asserts a speed. What is tested: the run
+goes end to end and writes what the docs promise, the identical-output check
+can fail, the statistics are right on literal numbers, BLAS detection parses
+real /proc/self/maps lines, and the data files (suites, claims) are complete.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import tiny
+from mlx_spec import cli
+from mlx_spec.bench import claims, cost, harness, hardware, methods, report, suites, summary
+
+# --- end to end ---------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_models(monkeypatch):
+    """`mlx-spec bench --model target --draft-model draft` resolves to tiny random models."""
+    pair = {"target": (tiny.llama_model(seed=0), tiny.tokenizer()),
+            "draft": (tiny.llama_model(seed=0, layers=1), tiny.tokenizer())}
+    import mlx_spec
+
+    monkeypatch.setattr(mlx_spec, "load", lambda name: pair[name])
+    monkeypatch.setattr("mlx_spec.bench.cli.resolve_model", lambda name: name)
+    return pair
+
+
+def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["bench", "--model", "target", "--draft-model", "draft", "--out", str(out),
+                   "--max-tokens", "8", "--num-draft-tokens", "3", "--cost-repeats", "1",
+                   "--cost-context", "16", "--claims"])
+    assert rc == 0
+    stdout = capsys.readouterr().out
+    assert "| method |" in stdout and "### Per method and suite" in stdout
+    assert "Published claims" in stdout
+    result = json.loads((out / "results.json").read_text())
+    for key in ("schema", "command", "config", "hardware", "hardware_line", "verify_cost",
+                "summary", "identical", "targets", "skipped", "runs"):
+        assert key in result, key
+    assert result["config"]["suites"] == suites.suite_names()
+    assert result["config"]["methods"] == ["baseline", "mlx-spec", "mlx-lm-draft@2",
+                                           "mlx-lm-draft@3", "ngram@3", "draft@3"]
+    assert len(result["runs"]) == 6 * len(suites.suite_names())  # 1 prompt per suite, 1 repeat
+    assert len(result["verify_cost"]["relative"]) == 16
+    for label, per in result["summary"].items():
+        m = per[summary.ALL]
+        for key in ("decode_tps", "speedup", "speedup_spread", "tau", "acceptance_rate",
+                    "accepted_per_position", "prompt_tps", "peak_memory_gb"):
+            assert key in m, (label, key)
+    # Every greedy method reproduces mlx-lm's plain decoding, token for token.
+    assert all(e["identical"] == e["runs"] for e in result["identical"].values())
+    assert {"cpu", "memory_gb", "mlx_version", "mlx_device", "blas"} <= set(result["hardware"])
+
+
+def test_preset_without_its_drafter_exits_nonzero_and_says_what_is_missing(capsys):
+    rc = cli.main(["bench", "--preset", "muse-glimmer-dflash"])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "dflash drafter is not implemented" in err
+    assert "Muse-Glimmer-30B-assistant" in err
+
+
+def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys):
+    out = tmp_path / "run"
+    cli.main(["bench", "--model", "target", "--methods", "baseline,ngram", "--suites", "chat",
+              "--out", str(out), "--max-tokens", "4", "--cost-repeats", "0"])
+    first = capsys.readouterr().out
+    assert cli.main(["bench", "--load", str(out / "results.json")]) == 0
+    assert capsys.readouterr().out == first
+
+
+# --- the identical-output check ---------------------------------------------
+
+
+def _corrupting(ctx, ids, k, max_tokens, seed):
+    """Plain decoding that changes the third token: a lossy 'method'."""
+    for i, r in enumerate(methods.METHODS["baseline"].stream(ctx, ids, k, max_tokens, seed)):
+        if i == 2:
+            r.token = r.token + 1
+        yield r
+
+
+def test_identical_check_catches_a_method_that_changes_the_output():
+    table = {**methods.METHODS, "lossy": methods.Method("lossy", "changes token 2", _corrupting)}
+    ctx = methods.Context(tiny.llama_model(), tiny.tokenizer())
+    plan = methods.plan_variants(["baseline", "lossy", "mlx-spec"], [2], ctx, table)
+    prompts = suites.load_prompts(["chat"], 1)
+    records = harness.run_bench(ctx, plan.variants, prompts, max_tokens=6, warmup=False,
+                                progress=lambda m: None)
+    ident = summary.check_identical(records, "baseline")
+    assert ident["mlx-spec"]["identical"] == 1
+    assert ident["lossy"]["identical"] == 0
+    assert ident["lossy"]["mismatches"][0]["first_difference"] == 2
+    target = summary.evaluate_targets(summary.summarize(records, "baseline"), ident, greedy=True)[-1]
+    assert target["met"] is False and "lossy" in target["detail"]
+
+
+# --- statistics on literal numbers -------------------------------------------
+
+
+def test_median_spread_ratio():
+    assert summary.median([3.0, 1.0, 2.0]) == 2.0
+    assert summary.median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert summary.median([None, 5.0, float("nan")]) == 5.0
+    assert summary.median([]) is None
+    assert summary.spread([2.0, 0.5, 1.5]) == (0.5, 2.0)
+    assert summary.spread([None]) is None
+    assert summary.ratio(3.0, 2.0) == 1.5
+    assert summary.ratio(1.0, 0.0) is None and summary.ratio(None, 1.0) is None
+
+
+def test_first_difference():
+    assert summary.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert summary.first_difference([1, 9, 3], [1, 2, 3]) == 1
+    assert summary.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def _rec(method, suite, prompt, tps, **kw):
+    base = {"method": method, "suite": suite, "prompt": prompt, "repeat": 0, "decode_tps": tps,
+            "prompt_tps": 100.0, "e2e_tps": tps, "peak_memory_gb": 1.0, "tokens": [1, 2],
+            "forwards": 10, "drafted": 0, "accepted": 0, "pos_drafted": [], "pos_accepted": []}
+    return {**base, **kw}
+
+
+def test_speedups_are_paired_per_prompt_then_pooled():
+    records = [
+        _rec("baseline", "a", "p1", 10.0), _rec("x", "a", "p1", 15.0),
+        _rec("baseline", "a", "p2", 20.0), _rec("x", "a", "p2", 20.0),
+        _rec("baseline", "b", "p3", 5.0),
+        _rec("x", "b", "p3", 10.0, forwards=4, drafted=8, accepted=6,
+             pos_drafted=[4, 4], pos_accepted=[4, 2]),
+    ]
+    s = summary.summarize(records, "baseline")
+    assert s["x"]["a"]["speedup"] == pytest.approx(1.25)  # median of 1.5 and 1.0
+    assert s["x"]["a"]["speedup_spread"] == (1.0, 1.5)
+    assert s["x"]["a"]["decode_tps"] == pytest.approx(17.5)
+    assert s["x"]["all"]["speedup"] == pytest.approx(1.5)  # median of 1.5, 1.0, 2.0
+    assert s["x"]["b"]["tau"] == pytest.approx(2.5)  # (6 + 4) / 4
+    assert s["x"]["b"]["acceptance_rate"] == pytest.approx(0.75)
+    assert s["x"]["b"]["accepted_per_position"] == [1.0, 0.5]
+    assert summary.best_variant({"x@2": {"all": {"speedup": 1.1}}, "x@4": {"all": {"speedup": 1.3}},
+                                 "y@9": {"all": {"speedup": 5.0}}}, "x") == "x@4"
+
+
+def test_steps_rebuilt_from_mlx_lm_flags():
+    # k=3, max 9: [T T F] [F] [T T T F] then a block cut short by max_tokens: [T]
+    flags = [True, True, False, False, True, True, True, False, True]
+    steps = harness.steps_from_flags(flags, k=3, max_tokens=9)
+    assert steps == [(3, 2), (3, 0), (3, 3), (1, 1)]
+    acc = harness.acceptance(steps)
+    assert acc["forwards"] == 4 and acc["drafted"] == 10 and acc["accepted"] == 6
+    assert acc["pos_drafted"] == [4, 3, 3] and acc["pos_accepted"] == [3, 2, 1]
+
+
+def test_targets_on_literal_summary():
+    def m(sp, lo=None):
+        return {"speedup": sp, "speedup_spread": (lo if lo is not None else sp, sp)}
+
+    s = {"draft@4": {"all": m(1.5)}, "mlx-lm-draft@2": {"all": m(1.2)},
+         "ngram@4": {"all": m(1.2), "code-edit": m(1.6, 1.45), "chat": m(1.0, 0.9)}}
+    t = {x["name"].split(" (")[0]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
+    assert t["draft model vs mlx-lm's speculative decoding"]["value"] == pytest.approx(1.25)
+    assert t["draft model vs mlx-lm's speculative decoding"]["met"]
+    assert t["n-gram on code-edit"]["met"]
+    assert not t["n-gram on chat"]["met"]  # one chat prompt fell to 0.9x
+
+
+# --- hardware -----------------------------------------------------------------
+
+MAPS_REFERENCE = """\
+7f1c2a000000-7f1c2a01c000 r--p 00000000 08:01 1311 /work/venv/lib/python3.11/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0
+7f1c2a01c000-7f1c2a0d2000 r-xp 0001c000 08:01 1311 /work/venv/lib/python3.11/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0
+7f1c2b000000-7f1c2b400000 r-xp 00000000 08:01 1400 /work/venv/lib/python3.11/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so
+7f1c2c000000-7f1c2c021000 rw-p 00000000 00:00 0
+7ffd6a4e1000-7ffd6a502000 rw-p 00000000 00:00 0                          [stack]
+"""
+MAPS_OPENBLAS = """\
+7f00aa000000-7f00aa004000 r--p 00000000 08:01 77 /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
+7f00ab000000-7f00ab9f0000 r-xp 00000000 08:01 78 /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so
+""" + MAPS_REFERENCE
+
+
+def test_blas_detection_from_proc_maps():
+    ref = hardware.detect_blas(MAPS_REFERENCE)
+    assert ref["slow"] and "reference" in ref["name"]
+    assert not any("scipy_openblas" in p for p in ref["paths"])  # numpy's private copy
+    fast = hardware.detect_blas(MAPS_OPENBLAS)
+    assert fast["name"] == "OpenBLAS" and not fast["slow"]
+    assert hardware.detect_blas("")["name"] == "none found"
+
+
+def test_hardware_info_has_the_documented_fields():
+    info = hardware.hardware_info()
+    assert info["mlx_version"] and info["mlx_device"]
+    assert "MLX" in hardware.describe(info)
+
+
+# --- data files ---------------------------------------------------------------
+
+
+def test_suites_load_with_at_least_eight_prompts_each():
+    names = suites.suite_names()
+    assert set(suites.SUITE_ORDER) <= set(names)
+    for name in names:
+        prompts = suites.load_suite(name)
+        assert len(prompts) >= 8, name
+        assert len({p.id for p in prompts}) == len(prompts)
+        assert all(p.text.strip() for p in prompts)
+    assert len(suites.load_prompts(names, 2)) == 2 * len(names)
+    with pytest.raises(ValueError, match="unknown suite"):
+        suites.load_suite("nope")
+
+
+def test_encode_chat_falls_back_to_plain_text_without_a_template():
+    tok = tiny.tokenizer()
+    assert suites.encode_chat(tok, "w3 w4") == tok.encode("w3 w4")
+
+
+def test_claims_file_and_presets():
+    found = claims.load_claims()
+    ids = {c["id"] for c in found}
+    assert len(ids) == len(found)
+    for c in found:
+        assert c["speedup"] > 0 and c["source"]
+        if c.get("baseline_tps") and c.get("spec_tps"):
+            assert c["spec_tps"] / c["baseline_tps"] == pytest.approx(c["speedup"], rel=0.02)
+    muse = {c["hardware"]: c for c in found if c["id"].startswith("muse-glimmer-dflash")}
+    assert (muse["Apple M4 Max"]["baseline_tps"], muse["Apple M4 Max"]["spec_tps"]) == (23.7, 37.8)
+    assert muse["NVIDIA RTX 5090"]["spec_tps"] == 233.4
+    assert any(c["speedup"] == 1.82 and "M3 Max" in c["hardware"] for c in found)
+    for p in claims.PRESETS.values():
+        assert set(p.claims) <= ids, p.name
+        assert set(p.methods) <= set(methods.METHODS), p.name
+
+
+# --- method table, cost curve, chart ------------------------------------------
+
+
+def test_plan_variants_sweeps_k_and_skips_what_cannot_run():
+    ctx = methods.Context(model=None, tokenizer=None)
+    plan = methods.plan_variants(["ngram", "mlx-lm-draft", "draft"], [4, "auto"], ctx)
+    assert [v.label for v in plan.variants] == ["baseline", "ngram@4", "ngram@auto"]
+    assert any(s.startswith("mlx-lm-draft: needs --draft-model") for s in plan.skipped)
+    ctx.draft_model = object()
+    plan = methods.plan_variants(["mlx-lm-draft"], [4, "auto"], ctx)
+    assert [v.label for v in plan.variants] == ["baseline", "mlx-lm-draft@2", "mlx-lm-draft@4"]
+    assert "mlx-lm-draft@auto: not supported by mlx-lm" in plan.skipped
+    with pytest.raises(ValueError, match="unknown method"):
+        methods.plan_variants(["warp-drive"], [4], ctx)
+
+
+def test_verify_cost_curve_shape():
+    curve = cost.verify_cost_curve(tiny.llama_model(), n_max=5, context=12, repeats=1)
+    assert len(curve) == 5 and curve[0] == 1.0 and all(x > 0 for x in curve)
+    assert cost.relative([2.0, 3.0, 5.0]) == [1.0, 1.5, 2.5]
+
+
+def test_chart_is_skipped_with_a_hint_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
+    why = report.chart({}, tmp_path / "c.png")
+    assert "skipped" in why and "pip install" in why
+    assert not (tmp_path / "c.png").exists()
