@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .cache import CacheRollbackError, make_cache
 from .drafters import Draft, Drafter, DraftModelDrafter, NGramDrafter
-from .generate import Response, generate, stream_generate
+from .decode import Response, generate, stream_generate
 from .heads import load_drafter
 from .sampling import Sampling
 from .stats import SpecStats

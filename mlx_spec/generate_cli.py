@@ -76,7 +76,7 @@ def make_drafter(args, model, model_path: str):
 
 def _generate(args, prompt: str) -> int:
     import mlx_spec
-    from mlx_spec.generate import DEFAULT_NUM_DRAFT_TOKENS
+    from mlx_spec.decode import DEFAULT_NUM_DRAFT_TOKENS
 
     if not prompt.strip():
         raise ValueError("the prompt is empty")
