@@ -3,18 +3,42 @@
     import mlx_spec
     model, tokenizer = mlx_spec.load("path/or/hf-repo")
     text = mlx_spec.generate(model, tokenizer, "Hello", mlx_spec.NGramDrafter())
+
+Names are imported on first use, so `import mlx_spec` (and the CLI's --help)
+stays instant and does not load MLX.
 """
 
 from __future__ import annotations
 
-from .cache import CacheRollbackError, make_cache
-from .drafters import Draft, Drafter, DraftModelDrafter, NGramDrafter
-from .decode import Response, generate, stream_generate
-from .heads import load_drafter
-from .sampling import Sampling
-from .stats import SpecStats
+import importlib
 
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "CacheRollbackError": ".cache",
+    "make_cache": ".cache",
+    "Draft": ".drafters",
+    "Drafter": ".drafters",
+    "DraftModelDrafter": ".drafters",
+    "NGramDrafter": ".drafters",
+    "Response": ".decode",
+    "generate": ".decode",
+    "stream_generate": ".decode",
+    "load_drafter": ".heads",
+    "Sampling": ".sampling",
+    "SpecStats": ".stats",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module 'mlx_spec' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])
 
 
 def load(path_or_repo: str):
@@ -24,7 +48,8 @@ def load(path_or_repo: str):
     from mlx_lm import load as _load
 
     path = Path(path_or_repo).expanduser()
-    if not path.exists() and (path_or_repo.startswith((".", "/", "~")) or path_or_repo.count("/") != 1):
+    looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
+    if not path.exists() and not looks_like_repo:
         raise FileNotFoundError(
             f"no model folder at {path_or_repo!r} (and it is not a Hugging Face repo id "
             "like 'org/name')"
@@ -32,7 +57,4 @@ def load(path_or_repo: str):
     return _load(str(path) if path.exists() else path_or_repo)
 
 
-__all__ = [
-    "CacheRollbackError", "Draft", "Drafter", "DraftModelDrafter", "NGramDrafter",
-    "Response", "Sampling", "SpecStats", "generate", "load", "load_drafter", "make_cache", "stream_generate",
-]
+__all__ = ["load", *_EXPORTS]

@@ -50,6 +50,10 @@ def _attach(parser: argparse.ArgumentParser, module_name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a real command-line run (not a call from Python): go fast on Linux
+        from .fastblas import restart_with_fast_blas
+
+        restart_with_fast_blas(["-m", "mlx_spec", *sys.argv[1:]])
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
