@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import sys
 
-# On Linux, rerun pytest with OpenBLAS preloaded when it is installed: the real-model
-# tests are ~20x faster than on the reference BLAS that the mlx[cpu] wheel bundles.
-if "mlx" not in sys.modules:
-    from mlx_spec.fastblas import restart_with_fast_blas
+import pytest
 
-    restart_with_fast_blas(["-m", "pytest", *sys.argv[1:]])
 
-import pytest  # noqa: E402
+def pytest_configure(config):
+    # On Linux, rerun pytest with OpenBLAS preloaded when it is installed: the real-model
+    # tests are ~20x faster than on the reference BLAS that the mlx[cpu] wheel bundles.
+    if "mlx" in sys.modules:
+        return
+    from mlx_spec.fastblas import preload_env, restart_with_fast_blas
+
+    if preload_env() is not None:
+        # Hand the real stdout/stderr back before the process is replaced.
+        config.pluginmanager.getplugin("capturemanager").stop_global_capturing()
+        restart_with_fast_blas(["-m", "pytest", *sys.argv[1:]])
 
 
 @pytest.fixture(scope="session")
