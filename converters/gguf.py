@@ -79,7 +79,7 @@ def convert(
     reader, md = _open(src)
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     try:
-        config = build_config(md, shapes)
+        config = build_config(md, shapes, _rope_freqs(reader))
     except ArchError as e:
         raise GGUFError(f"{src}: {e}") from e
     config["eos_token_id"] = eos_token_ids(md)
@@ -137,6 +137,14 @@ def _open(src: Path) -> tuple[Any, dict[str, Any]]:
     return reader, md
 
 
+def _rope_freqs(reader: Any) -> Any:
+    """The `rope_freqs` tensor (Llama 3.1+ rope scaling) as float32, if the file has one."""
+    from gguf.quants import dequantize
+
+    found = [t for t in reader.tensors if t.name == "rope_freqs.weight"]
+    return dequantize(found[0].data, found[0].tensor_type).reshape(-1) if found else None
+
+
 def _load_weights(reader: Any, arch: str, config: dict, dtype: str, log) -> dict[str, Any]:
     """Dequantize tensor by tensor into `{hf_name: mx.array}` of `dtype`."""
     import mlx.core as mx
@@ -148,6 +156,8 @@ def _load_weights(reader: Any, arch: str, config: dict, dtype: str, log) -> dict
     total = len(reader.tensors)
     log(f"dequantizing {total} tensors ({arch}) to {dtype}")
     for i, t in enumerate(reader.tensors):
+        if (name := hf_name(t.name, arch)) is None:
+            continue
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         try:
             w = dequantize(t.data, t.tensor_type).reshape(shape)
@@ -156,7 +166,7 @@ def _load_weights(reader: Any, arch: str, config: dict, dtype: str, log) -> dict
         w = to_hf(t.name, w.astype(np.float32, copy=False), arch, config)
         arr = mx.array(w).astype(target)
         mx.eval(arr)  # materialize now, so the float32 copy is freed before the next tensor
-        weights[hf_name(t.name, arch)] = arr
+        weights[name] = arr
         if (i + 1) * 10 // total != i * 10 // total:
             log(f"  {i + 1}/{total} tensors")
     return weights

@@ -45,13 +45,15 @@ class ArchError(ValueError):
     """The file's architecture or metadata is outside what this converter handles."""
 
 
-def hf_name(gguf_name: str, arch: str) -> str:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None: not a weight."""
     stem, _, suffix = gguf_name.rpartition(".")  # suffix: weight or bias
     block_names = _GEMMA3_BLOCK_NAMES if arch == "gemma3" else _BLOCK_NAMES
     parts = stem.split(".")
     if parts[0] == "blk" and len(parts) == 3 and parts[2] in block_names:
         return f"model.layers.{parts[1]}.{block_names[parts[2]]}.{suffix}"
+    if stem == "rope_freqs":  # folded into config.json by `llama3_rope_scaling`
+        return None
     if stem in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[stem]}.{suffix}"
     raise ArchError(
@@ -154,11 +156,6 @@ def _llama(md: dict, tensors: dict) -> dict:
     )
     if md.get("llama.rope.dimension_count", head_dim) != head_dim:
         raise ArchError("partial rotary embeddings are not supported for llama")
-    if "rope_freqs.weight" in tensors:
-        # Llama 3.1-style scaling is stored as a frequency tensor, not as metadata.
-        raise ArchError(
-            "llama files with a rope_freqs tensor (Llama 3.1 rope scaling) are not supported yet"
-        )
     return config | {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -200,6 +197,32 @@ def _gemma3(md: dict, tensors: dict) -> dict:
     }
 
 
+def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dict:
+    """mlx-lm's `llama3` rope scaling, from the per-frequency factors Llama 3.1+ files store.
+
+    llama.cpp writes the scaling as a `rope_freqs` tensor, not as metadata. The largest factor
+    is the scaling factor. The other three parameters are the ones all Llama 3.x models use. We
+    check them by recomputing every factor (the formula of HF's `_compute_llama3_parameters`).
+    """
+    low, high, original = 1.0, 4.0, 8192
+    factor = float(factors.max())
+    wavelen = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    smooth = (original / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    expected = np.where(
+        wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium)
+    )
+    if factors.shape != expected.shape or not np.allclose(factors, expected, rtol=1e-4):
+        raise ArchError("its rope_freqs tensor is not Llama 3's rope scaling; not supported")
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": original,
+    }
+
+
 def _window_period(pattern: int | list) -> int:
     """mlx-lm wants a period; newer files may store one sliding/global flag per layer instead."""
     if not isinstance(pattern, list):
@@ -217,12 +240,20 @@ CONFIG_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {
 }
 
 
-def build_config(md: dict[str, Any], tensors: dict[str, tuple[int, ...]]) -> dict:
-    """config.json for mlx-lm from GGUF metadata (scalars only) and tensor shapes."""
+def build_config(
+    md: dict[str, Any], tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None = None
+) -> dict:
+    """config.json for mlx-lm from GGUF metadata, tensor shapes and the `rope_freqs` tensor."""
     arch = md.get("general.architecture")
     if arch not in CONFIG_BUILDERS:
         raise ArchError(
             f"unsupported GGUF architecture {arch!r}; "
             f"supported: {', '.join(sorted(CONFIG_BUILDERS))}"
         )
-    return CONFIG_BUILDERS[arch](md, tensors)
+    config = CONFIG_BUILDERS[arch](md, tensors)
+    if rope_freqs is not None:
+        if arch != "llama" or "rope_scaling" in config:
+            raise ArchError(f"a rope_freqs tensor in a {arch} file is not supported")
+        head_dim = config["head_dim"]
+        config["rope_scaling"] = llama3_rope_scaling(rope_freqs, head_dim, config["rope_theta"])
+    return config
