@@ -14,6 +14,7 @@ from pathlib import Path
 
 # format name -> converter module (checked in this order by --format auto)
 FORMATS: dict[str, str] = {}
+FORMATS.update(dspark="converters.dspark", dflash="converters.dflash")  # DSpark, DFlash block drafters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

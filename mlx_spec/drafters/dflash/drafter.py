@@ -1,0 +1,134 @@
+"""DFlashDrafter: one block forward proposes up to B-1 tokens (B = 16 for published heads).
+
+Per step the drafter embeds `[y, mask x (B-1)]` with the TARGET's raw token
+embeddings (y = the newest committed token, not yet consumed by the target, at
+position p = the committed length) and runs the block network once; block row
+j >= 1 predicts the token at position p + j, i.e. d[j-1]. Logits come from the
+target's LM head (times `output_multiplier`, then `softcap * tanh(l / softcap)`
+when the head config sets them, as Muse Glimmer does).
+
+Greedy: argmax tokens, q = None. Sampling: by default the same argmax tokens,
+checked by point-mass rejection sampling (q = None); with `sample_drafts=True`
+each d[j] is drawn from q_j = `sampling.probs(logits_j)`. Both are lossless: the
+block never looks at the drafted tokens, so q_j is the proposal's true
+distribution at every position whatever was drafted before it.
+
+Invariant: the context cache holds exactly the committed positions. `prefill`
+and `commit` append the taps of the tokens the target kept, so block K/V from a
+proposal never need to be rolled back. `propose` is lazy (no host sync).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ...sampling import Sampling
+from ...taps import decoder_stack
+from ..base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from .net import BlockConfig, BlockContext, DFlashNet
+
+
+def target_lm_head(model):
+    """The target's output projection (its own `lm_head`, or the tied embedding)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner["lm_head"]
+    return decoder_stack(model).embed_tokens.as_linear
+
+
+def check_target(model, cfg: BlockConfig, taps: tuple, what: str) -> None:
+    """Refuse a target whose width, depth or vocabulary does not fit the head."""
+    stack = decoder_stack(model)
+    n_layers, V = len(stack.layers), vocab_size(model)
+    bad = [t for t in taps if isinstance(t, int) and not 0 <= t < n_layers]
+    if bad:
+        raise ValueError(
+            f"{what} taps target layers {bad}, but this target has {n_layers} decoder "
+            "layers; convert the head with --target pointing at this model"
+        )
+    if not 0 <= cfg.mask_token_id < V:
+        raise ValueError(
+            f"{what} mask token id {cfg.mask_token_id} is outside the target's "
+            f"vocabulary (0..{V - 1}); is this the head for another model family?"
+        )
+    width = stack.embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
+    if width != cfg.hidden_size:
+        raise ValueError(
+            f"{what} has width {cfg.hidden_size}, the target's embeddings {width}: "
+            "DFlash heads embed the block with the target's own embeddings"
+        )
+
+
+def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
+    """[y, mask x (B-1)] as ids [B]."""
+    return mx.array([y] + [cfg.mask_token_id] * (cfg.block_size - 1), dtype=mx.uint32)
+
+
+def pick(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:
+    """Tokens from independent per-position logits [k, V]: argmax, or drawn from q."""
+    if sampling.greedy or not sample_drafts:
+        return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32), None)
+    q = sampling.probs(logits)  # [k, V]
+    return Draft(mx.random.categorical(mx.log(q)).astype(mx.uint32), q)
+
+
+class DFlashDrafter:
+    """DFlash block drafter over a target model; taps are layer outputs (mlx_spec.taps)."""
+
+    def __init__(
+        self,
+        net: DFlashNet,
+        cfg: BlockConfig,
+        taps: Sequence,
+        *,
+        output_multiplier: float = 1.0,
+        softcap: float | None = None,
+        sample_drafts: bool = False,
+    ):
+        if cfg.block_size < 2:
+            raise ValueError(f"a DFlash block needs at least 2 rows, got block_size {cfg.block_size}")
+        self.cfg, self.taps = cfg, tuple(taps)
+        self.max_draft = min(cfg.block_size - 1, MAX_DRAFT_DEFAULT)
+        self.output_multiplier, self.softcap = output_multiplier, softcap
+        self.sample_drafts = sample_drafts
+        self.context = BlockContext(net, cfg, self.taps)
+        self._embed = self._head = None
+
+    def bind(self, model, tokenizer) -> None:
+        check_target(model, self.cfg, self.taps, "this DFlash head")
+        self._embed = decoder_stack(model).embed_tokens  # raw rows: no target embedding norm/scale
+        self._head = target_lm_head(model)
+        self.context.reset()
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.reset()
+        self.context.add(taps, len(tokens))
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Block hidden rows [k, H] -> logits over the target vocabulary [k, V]."""
+        out = self._head(h)
+        if self.output_multiplier != 1.0:
+            out = out * self.output_multiplier
+        if self.softcap:
+            out = mx.tanh(out / self.softcap) * self.softcap
+        return out
+
+    def hidden(self, y: int) -> mx.array:
+        """The block forward for anchor y: h [B, H] (lazy)."""
+        if self._embed is None:
+            raise RuntimeError("bind(model, tokenizer) the drafter before using it")
+        x = self._embed(block_inputs(y, self.cfg))
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * self.cfg.input_embedding_scale
+        return self.context.forward(x)
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        k = min(k, self.max_draft)
+        # Always the full block: the mask rows shape each other's predictions.
+        h = self.hidden(y)  # [B, H]
+        return pick(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.add(taps, len(tokens))

@@ -1,0 +1,270 @@
+"""DSpark (DeepSeek DeepSpec): DFlash's parallel block, a Markov head, a confidence cut.
+
+One step, for anchor y at position p (the committed length) and a block of B rows:
+
+    h   = block forward of [y, mask x (B-1)]   # DFlash's network, called (composition)
+    U   = lm_head(h)                            # [B, V]; row j predicts d_j (position p+j+1)
+    s_j = U_j + W2 W1[x_{j-1}]                  # Markov bias, x_{-1} = y, x_j = d_j
+    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling, default)
+    c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)  # P(d_j survives | d_<j survived)
+    L   = #{leading j : a_j = c_0 c_1 ... c_j >= threshold}
+
+Anchor-as-first-prediction: unlike DFlash, every block row drafts, so B rows give
+B tokens. q_j is conditioned on d_<j (left to right), which rejection sampling
+allows. The cut is non-anticipating: c_j depends on h_j and d_(j-1), never on
+d_j, so whether d_j is verified does not depend on its own value, and
+conditioned on being verified d_j is still distributed as q_j: lossless.
+
+The cut without a host sync (`cut="mask"`, the default when a threshold is set):
+propose returns all k tokens plus a lazy `length` L, and the verifier must mask
+its acceptance. For target probabilities p_0 .. p_k, drafts d_0 .. d_(k-1):
+
+    accept d_i (i < L) with probability min(1, p_i(d_i) / q_i(d_i))   (q = 1 for a point mass)
+    n    = first rejected i < L, else L               # tokens at i >= L are never examined
+    next ~ normalize(max(p_n - q_n, 0))  if n < L     # the usual residual
+    next ~ p_L                           if n = L     # NOT the residual: d_L was never proposed
+    greedy: n = min(n_greedy, L), next = argmax p_n
+
+Row L of the verify forward saw only [y, d_<L], so this is exactly rejection
+sampling of the L-token draft. `masked_accept` below implements it; the core's
+`accept` does not take `length` yet (see docs/dflash.md for the change), and
+until it does the length is ignored and all k tokens are verified (still
+lossless, just no cut). `cut="sync"` instead reads L on the host inside
+propose (one extra host sync per step) and returns only L tokens, so the
+verify forward really shrinks.
+
+Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies,
+DeepSeek-V4's in-checkpoint DSpark stages (see `probe_target`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..sampling import Sampling
+from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from .dflash import (
+    BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights, target_lm_head,
+)
+from .dflash.drafter import block_inputs, check_target
+from ..taps import decoder_stack
+
+CUTS = ("mask", "sync")
+EXTRA_PREFIXES = ("embed_tokens.", "lm_head.", "markov_head.", "confidence_head.")
+
+
+@dataclass(frozen=True)
+class BlockDraft(Draft):
+    """A draft with a lazy count of leading tokens to verify (None: all of them)."""
+
+    length: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    vocab_size: int
+    markov_rank: int = 0
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+    confidence_bias: bool = True
+    own_embeddings: bool = False
+    own_lm_head: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SparkConfig":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class MarkovHead(nn.Module):
+    """Bigram bias B(prev, .) = W2 W1[prev]: W1 [V, r] is a lookup, W2 [V, r] a Linear r -> V."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dims: int, bias: bool):
+        super().__init__()
+        self.proj = nn.Linear(dims, 1, bias=bias)
+
+
+class SparkHeads(nn.Module):
+    """What DSpark adds to the DFlash network (key names as in DeepSpec checkpoints)."""
+
+    def __init__(self, cfg: BlockConfig, spark: SparkConfig):
+        super().__init__()
+        H, V, r = cfg.hidden_size, spark.vocab_size, spark.markov_rank
+        if spark.own_embeddings:
+            self.embed_tokens = nn.Embedding(V, H)
+        if spark.own_lm_head:
+            self.lm_head = nn.Linear(H, V, bias=False)
+        if r:
+            self.markov_head = MarkovHead(V, r)
+        if spark.confidence_head:
+            dims = H + (r if spark.confidence_with_markov else 0)
+            self.confidence_head = ConfidenceHead(dims, spark.confidence_bias)
+
+
+def confidence_length(conf: mx.array, threshold: float) -> mx.array:
+    """conf [k] step confidences -> L = leading positions whose running product >= threshold."""
+    return mx.cumprod(mx.cumprod(conf) >= threshold).sum()
+
+
+def masked_accept(logits: mx.array, draft: mx.array, q: mx.array | None,
+                  sampling: Sampling, length: mx.array) -> tuple[mx.array, mx.array]:
+    """Acceptance that verifies only the first `length` drafts (module docstring); lazy.
+
+    logits [k+1, V], draft [k], q [k, V] or None, length scalar <= k -> (n, next token).
+    """
+    k = draft.shape[0]
+    if sampling.greedy:
+        target = mx.argmax(logits, axis=-1)  # [k+1]
+        n = mx.minimum(mx.cumprod(target[:k] == draft).sum(), length)
+        return n, target[n]
+    p = sampling.probs(logits)  # [k+1, V]
+    rows = mx.arange(k)
+    p_d = p[rows, draft]
+    if q is None:  # point mass: residual = p with d_i removed
+        q_d = mx.ones_like(p_d)
+        residual = p[:k] * (mx.arange(p.shape[-1])[None] != draft[:, None])
+    else:
+        q_d, residual = q[rows, draft], mx.maximum(p[:k] - q, 0)
+    accepted = (mx.random.uniform(shape=(k,)) * q_d < p_d) & (rows < length)
+    n = mx.cumprod(accepted).sum()
+    row = mx.where(n >= length, p[n], mx.concatenate([residual, p[k:]])[n])
+    row = mx.where(row.sum() > 0, row, p[n])  # rounding when p == q
+    return n, mx.random.categorical(mx.log(row))
+
+
+class DSparkDrafter:
+    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
+
+    def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
+                 taps: Sequence, *, confidence_threshold: float | None = None,
+                 cut: str = "mask", sample_drafts: bool = True):
+        self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
+        self.max_draft = min(cfg.block_size, MAX_DRAFT_DEFAULT)
+        self.sample_drafts = sample_drafts
+        self.set_cut(confidence_threshold, cut)
+        self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
+        self._embed = self._head = None
+
+    def set_cut(self, confidence_threshold: float | None, cut: str = "mask") -> None:
+        """Verify only the prefix whose running confidence product stays >= the threshold.
+
+        None verifies the whole block. `cut="mask"` keeps propose lazy (needs the
+        core to honour `BlockDraft.length`); `cut="sync"` reads the length on the host.
+        """
+        if cut not in CUTS:
+            raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
+        if confidence_threshold is not None and not self.spark.confidence_head:
+            raise ValueError("confidence_threshold needs a head with a confidence head; "
+                             "this checkpoint has none")
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+        self.threshold, self.cut = confidence_threshold, cut
+
+    def bind(self, model, tokenizer) -> None:
+        check_target(model, self.cfg, self.taps, "this DSpark head")
+        V = vocab_size(model)
+        if self.spark.vocab_size != V:
+            raise ValueError(
+                f"this DSpark head drafts over {self.spark.vocab_size} tokens, the target "
+                f"has {V}; reduced draft vocabularies are not supported"
+            )
+        h = self.heads
+        self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
+        self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
+        self.context.reset()
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.reset()
+        self.context.add(taps, len(tokens))
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.add(taps, len(tokens))
+
+    def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
+        """Parallel stage: (base logits U [k, V], hidden rows h [k, H]) for anchor y."""
+        if self._embed is None:
+            raise RuntimeError("bind(model, tokenizer) the drafter before using it")
+        x = self._embed(block_inputs(y, self.cfg))
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * self.cfg.input_embedding_scale
+        h = self.context.forward(x)[:k]  # the whole block runs; k rows are used
+        return self._head(h), h
+
+    def _chain(self, U, h, y, sampling) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Sequential stage: Markov-corrected tokens, their q, and step confidences [k]."""
+        heads, sample = self.heads, self.sample_drafts and not sampling.greedy
+        conf_head = heads.confidence_head.proj if "confidence_head" in heads else None
+        if "markov_head" not in heads:  # DeepSpec "DFlash" layout: positions independent
+            d = pick(U, sampling, self.sample_drafts)
+            conf = None if conf_head is None else mx.sigmoid(conf_head(h)[:, 0])
+            return d.tokens, d.q, conf
+        w1, w2 = heads.markov_head.markov_w1, heads.markov_head.markov_w2
+        prev, tokens, qs, confs = mx.array([y], dtype=mx.uint32), [], [], []
+        for j in range(U.shape[0]):
+            e = w1(prev)[0]  # [r]
+            s = U[j] + w2(e)  # [V]
+            if sample:
+                qs.append(sampling.probs(s))
+                t = mx.random.categorical(mx.log(qs[-1]))
+            else:
+                t = mx.argmax(s)
+            if conf_head is not None:
+                feats = mx.concatenate([h[j], e.astype(h.dtype)]) if self.spark.confidence_with_markov else h[j]
+                confs.append(mx.sigmoid(conf_head(feats)[0]))
+            tokens.append(t)
+            prev = t.reshape(1).astype(mx.uint32)
+        return (mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None,
+                mx.stack(confs) if confs else None)
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        k = min(k, self.max_draft)
+        tokens, q, conf = self._chain(*self.step_logits(y, k), y, sampling)
+        if self.threshold is None:
+            return Draft(tokens, q)
+        length = confidence_length(conf.astype(mx.float32), self.threshold)
+        if self.cut == "mask":
+            return BlockDraft(tokens, q, length)
+        n = int(length.item())  # cut="sync": the one extra host sync, by request
+        return Draft(tokens[:n], None if q is None else q[:n])
+
+
+def load(folder, config: dict, model, *, confidence_threshold: float | None = None,
+         cut: str = "mask", sample_drafts: bool = True) -> DSparkDrafter:
+    """The DSpark drafter stored in a converted head folder (LOADERS["dspark"])."""
+    cfg, spark = BlockConfig.from_dict(config), SparkConfig.from_dict(config)
+    weights = read_weights(folder)
+    mine = {k: v for k, v in weights.items() if k.startswith(EXTRA_PREFIXES)}
+    net, heads = DFlashNet(cfg), SparkHeads(cfg, spark)
+    assign(net, {k: v for k, v in weights.items() if k not in mine}, config, f"DSpark head {folder}")
+    assign(heads, mine, config, f"DSpark head {folder}")
+    return DSparkDrafter(net, cfg, spark, heads, config["mlx_spec"]["taps"],
+                         confidence_threshold=confidence_threshold, cut=cut,
+                         sample_drafts=sample_drafts)
+
+
+def probe_target(folder, config: dict, model):
+    """TARGET_PROBES["dspark"]: DSpark stages inside a DeepSeek-V4 checkpoint (`mtp.*`).
+
+    Not implemented: the stages are full DeepSeek-V4 blocks (MLA with a sliding
+    128-token ring, mHC stream mixing, FP8/FP4 MoE) that cannot be checked here
+    against a real header. Returns None for other folders; refuses these clearly.
+    """
+    text = config.get("text_config", config)
+    if not any(key.startswith("dspark_") for key in text):
+        return None
+    raise ValueError(
+        f"{folder} carries DeepSeek-V4 DSpark stages (dspark_* config fields, mtp.* "
+        "tensors); mlx-spec cannot run them yet. Use a DeepSpec DSpark head "
+        "(`mlx-spec convert head SRC OUT --format dspark`) or another drafter"
+    )
