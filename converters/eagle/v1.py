@@ -1,0 +1,79 @@
+"""--format eagle: EAGLE-1/2 heads in the yuhuili layout (formats.md §1).
+
+Checkpoint (`pytorch_model.bin` or safetensors, optional `model.` prefix):
+`fc.weight` [H, 2H] (+ `fc.bias`), `layers.{i}.*` Llama layers where layer 0
+has no `input_layernorm`, and a copy of the target's `embed_tokens`, which is
+checked and dropped (the drafter uses the target's own embedding and LM head).
+The head reads the target's final-norm output (tap `final_norm`). EAGLE-2
+ships the same checkpoints; its dynamic tree is not implemented (chains).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mlx_spec.taps import FINAL_NORM
+
+from ..common import ConversionError, check_shapes, read_config, read_tensors, rename, write_head
+from . import flag, layer_fields, layer_shapes, mlx_spec_block, require, strip_model_prefix, target_config, target_dims
+
+# checkpoint key -> head key (None: dropped on purpose)
+TABLE = [
+    (r"embed_tokens\.weight", None),  # copy of the target's; the target's own is used
+    (r"fc\.(weight|bias)", r"fc.\1"),
+    (r"layers\.(\d+)\.self_attn\.rotary_emb\.inv_freq", None),  # recomputed from rope_theta
+    (r"layers\.(\d+)\.self_attn\.([qkvo])_proj\.(weight|bias)", r"layers.\1.self_attn.\2_proj.\3"),
+    (r"layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"layers.\1.mlp.\2_proj.weight"),
+    (r"layers\.(\d+)\.(input_layernorm|post_attention_layernorm)\.weight", r"layers.\1.\2.weight"),
+]
+
+
+def detect(config: dict, tensor_names) -> bool:
+    names = {n[len("model."):] if n.startswith("model.") else n for n in tensor_names}
+    return (
+        "fc.weight" in names
+        and "layers.0.self_attn.q_proj.weight" in names
+        and "layers.0.input_layernorm.weight" not in names  # EAGLE-1's signature
+        and not names & {"norm.weight", "lm_head.weight", "hidden_norm.weight", "d2t"}
+        and config.get("speculators_model_type") is None
+    )
+
+
+def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
+    """(head config, head weights) from a checkpoint's config and tensors; raises on any mismatch."""
+    H_t, _, V_t = target_dims(target)
+    fields = layer_fields(cfg, "config.json")
+    H = fields["hidden_size"]
+    require("hidden_size", H, H_t)
+    if cfg.get("vocab_size") is not None:
+        require("vocab_size", cfg["vocab_size"], V_t)
+    weights = strip_model_prefix(weights)
+    if "embed_tokens.weight" in weights:
+        require("embed_tokens shape", tuple(weights["embed_tokens.weight"].shape), (V_t, H_t))
+    out = rename(weights, TABLE)
+    fc_bias = flag(cfg, "bias", "fc.bias" in out, "fc.bias")
+    qkv = "layers.0.self_attn.q_proj.bias" in out
+    fields["attention_bias"] = flag(cfg, "qkv_bias", qkv, "q/k/v biases")
+    n_layers = cfg.get("num_hidden_layers", 1)
+    expected = {"fc.weight": (H, 2 * H), **({"fc.bias": (H,)} if fc_bias else {})}
+    for i in range(n_layers):
+        expected.update(layer_shapes(f"layers.{i}", fields, H, input_norm=i > 0))
+    check_shapes(out, expected, "EAGLE-1 checkpoint")
+    config = {
+        "mlx_spec": mlx_spec_block("eagle", [FINAL_NORM], target),
+        **fields,
+        "num_layers": n_layers,
+        "fc_bias": fc_bias,
+        "source": {"format": "eagle", "architectures": cfg.get("architectures"),
+                   "feature": "target final-norm output"},
+    }
+    return config, out
+
+
+def convert(src_folder, out_dir, target_folder, *, quantize_bits=None, group_size=64, force=False) -> Path:
+    target = target_config(target_folder)
+    cfg = read_config(Path(src_folder))
+    config, weights = build(cfg, read_tensors(Path(src_folder)), target)
+    if Path(out_dir).exists() and not force:
+        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
+    return write_head(Path(out_dir), config, weights, quantize_bits=quantize_bits, group_size=group_size, force=force)
