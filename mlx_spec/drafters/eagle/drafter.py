@@ -1,0 +1,158 @@
+"""The EAGLE chain drafter: k head steps per proposal, over the head's own KV cache.
+
+Position t of the head pairs the target's feature at t with the token x_{t+1}
+and predicts x_{t+2}; head positions equal target positions. The drafter keeps
+
+* `cache`: the head's KV cache over every position whose feature came from the
+  target (committed context only);
+* `_feats` / `_toks`: committed features the head has not consumed yet and the
+  tokens that follow them, `len(_toks) == len(_feats) - 1` (the last feature
+  waits for the next y).
+
+`propose(y, k)` feeds the waiting pairs (the last one with y), then chains
+k - 1 steps that feed back the head's own feature and drafted token. `commit`
+trims those chained positions (their features were the head's guesses) and
+queues the target's real features of the kept tokens. The proposal stays
+lazy: nothing is read to the host.
+
+EAGLE-3 drafts over its own vocabulary: a draft id i is target id
+`draft_to_target[i]`, and `q` is the draft distribution scattered into a zero
+vector over the target vocabulary (tokens outside the draft vocabulary get 0).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ...cache import rollback
+from ...sampling import Sampling
+from ...taps import EMBED, FINAL_NORM, decoder_stack
+from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, vocab_size
+
+PREFILL_CHUNK = 512
+
+
+def target_args(model) -> dict:
+    """The target's config fields (text config for multimodal wrappers)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if isinstance(text, dict):
+        return dict(text)
+    return dict(vars(args)) if args is not None else {}
+
+
+def target_lm_head(model):
+    """The callable that turns the target's final-norm output into logits."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner["lm_head"]
+    return decoder_stack(model).embed_tokens.as_linear  # tied embeddings
+
+
+class EagleDrafter:
+    """Chain drafter around an `Eagle1Head` or `Eagle3Head` (see mlx_spec.drafters.eagle.heads)."""
+
+    max_draft = MAX_DRAFT_DEFAULT
+
+    def __init__(self, head, taps: Sequence, config: dict, draft_to_target: mx.array | None = None):
+        self.head = head
+        self.taps = tuple(taps)
+        self.config = config  # the head folder's config (dimensions, target identity)
+        self._d2t = draft_to_target  # [V_d] target ids, or None when the head speaks the target vocab
+        self.cache: list = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._feats: mx.array | None = None  # [m, H] committed features not yet consumed
+        self._toks: list[int] = []  # the m - 1 tokens following them
+        self._y_fed = False  # propose consumed the pending pairs (y included)
+        self._chained = 0  # head positions fed with its own guesses, to trim at commit
+
+    def bind(self, model, tokenizer) -> None:
+        self._check_target(model)
+        stack = decoder_stack(model)
+        self._embed = self.head.embed_tokens if "embed_tokens" in self.head else stack.embed_tokens
+        self._lm = self.head.lm_head if "lm_head" in self.head else target_lm_head(model)
+        self._v_target = vocab_size(model)
+        self.cache = [KVCache() for _ in self.head.layers]
+        self._reset()
+
+    def _check_target(self, model) -> None:
+        have = target_args(model)
+        n_layers = len(decoder_stack(model).layers)
+        want = self.config.get("mlx_spec", {}).get("target", {})
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+            if want.get(key) is not None and have.get(key) is not None and want[key] != have[key]:
+                raise ValueError(
+                    f"this EAGLE head was converted for a target with {key}={want[key]}, "
+                    f"but the target has {have[key]}; convert it again with --target "
+                    "pointing at this model"
+                )
+        bad = [t for t in self.taps if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n_layers)]
+        if bad:
+            raise ValueError(f"the head reads target layer(s) {bad}, but the target has {n_layers} layers")
+        if self._d2t is not None and self._d2t.size and int(self._d2t.max()) >= vocab_size(model):
+            raise ValueError("the head's draft vocabulary maps to token ids beyond the target's vocabulary")
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        if taps is None:
+            raise ValueError("an EAGLE drafter needs target taps; run it through mlx_spec.stream_generate")
+        tokens = list(tokens)
+        feats = self.head.features(taps, self.taps)  # [P, H]
+        P = len(tokens)
+        # Pairs (f_t, x_{t+1}) for t < P - 1 are complete: consume them now, in chunks.
+        for s in range(0, P - 1, PREFILL_CHUNK):
+            e = min(s + PREFILL_CHUNK, P - 1)
+            emb = self._embed(mx.array(tokens[s + 1 : e + 1], mx.uint32)[None])
+            self.head(emb, feats[None, s:e], self.cache)
+            mx.eval([c.state for c in self.cache])
+        self._feats, self._toks = feats[P - 1 :], []
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        k = min(k, self.max_draft)
+        if k <= 0:
+            return EMPTY
+        toks = mx.array(self._toks + [int(y)], mx.uint32)
+        feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
+        self._feats, self._toks, self._y_fed = None, [], True
+        feat, last = feat[:, -1:], out[0, -1]  # [1, 1, H], [H]
+        tokens, qs = [], []
+        for i in range(k):
+            t, q = self._pick(self._lm(last), sampling)
+            tokens.append(t)
+            if q is not None:
+                qs.append(q)
+            if i < k - 1:  # chain: the head's own feature and token at the next position
+                feat, out = self.head(self._embed(t.reshape(1, 1)), feat, self.cache)
+                last = out[0, -1]
+        self._chained = k - 1
+        return Draft(mx.stack(tokens), mx.stack(qs) if qs else None)
+
+    def _pick(self, logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:
+        """Draft token (a target id) from head logits [V'], and q [V_target] when sampling."""
+        if sampling.greedy:
+            i, q = mx.argmax(logits), None
+        else:
+            q = sampling.probs(logits)  # [V'] filtered like the target's p
+            i = mx.random.categorical(mx.log(q))
+            if self._d2t is not None:  # scatter into the target vocabulary
+                q = mx.zeros((self._v_target,), q.dtype).at[self._d2t].add(q)
+        t = i if self._d2t is None else self._d2t[i]
+        return t.astype(mx.uint32), q
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        """Drop the chained guesses; queue the target's features of the kept tokens."""
+        if self._chained:
+            rollback(self.cache, self._chained)
+            self._chained = 0
+        feats = self.head.features(taps, self.taps)  # [n + 1, H]
+        tokens = [int(t) for t in tokens]
+        if self._y_fed:  # tokens[0] = y already completed the previous feature's pair
+            self._feats, self._toks = feats, tokens[1:]
+        else:  # nothing was proposed this step: tokens continue the waiting pairs
+            self._feats = feats if self._feats is None else mx.concatenate([self._feats, feats])
+            self._toks = self._toks + tokens
+        self._y_fed = False
