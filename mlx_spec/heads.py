@@ -24,6 +24,7 @@ from pathlib import Path
 # kind -> "module:function(folder, config, model) -> Drafter"
 LOADERS: dict[str, str] = {}
 LOADERS.update(dflash="mlx_spec.drafters.dflash:load", dspark="mlx_spec.drafters.dspark:load")  # block drafters
+LOADERS.update(eagle="mlx_spec.drafters.eagle:load", eagle3="mlx_spec.drafters.eagle:load")
 # kind -> "module:function(folder, config, model) -> Drafter | None" for target folders
 TARGET_PROBES: dict[str, str] = {}
 TARGET_PROBES["dspark"] = "mlx_spec.drafters.dspark:probe_target"  # refuses DeepSeek-V4 in-checkpoint DSpark
