@@ -15,6 +15,7 @@ from pathlib import Path
 # format name -> converter module (checked in this order by --format auto)
 FORMATS: dict[str, str] = {}
 FORMATS.update(dspark="converters.dspark", dflash="converters.dflash")  # DSpark, DFlash block drafters
+FORMATS["mtp"] = "converters.mtp"  # MTP modules inside target checkpoints
 FORMATS.update(eagle3="converters.eagle.v3", eagle="converters.eagle.v1")  # EAGLE heads
 
 

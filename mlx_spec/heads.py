@@ -23,10 +23,12 @@ from pathlib import Path
 
 # kind -> "module:function(folder, config, model) -> Drafter"
 LOADERS: dict[str, str] = {}
+LOADERS["mtp"] = "mlx_spec.drafters.mtp:load_head_folder"  # extracted MTP heads
 LOADERS.update(dflash="mlx_spec.drafters.dflash:load", dspark="mlx_spec.drafters.dspark:load")  # block drafters
 LOADERS.update(eagle="mlx_spec.drafters.eagle:load", eagle3="mlx_spec.drafters.eagle:load")
 # kind -> "module:function(folder, config, model) -> Drafter | None" for target folders
 TARGET_PROBES: dict[str, str] = {}
+TARGET_PROBES["mtp"] = "mlx_spec.drafters.mtp:probe"  # MTP modules inside target checkpoints
 TARGET_PROBES["dspark"] = "mlx_spec.drafters.dspark:probe_target"  # refuses DeepSeek-V4 in-checkpoint DSpark
 
 

@@ -1,0 +1,122 @@
+"""MTP drafter: the target's own multi-token-prediction module, chained k deep.
+
+State: the module's KV cache holds exactly the committed MTP positions, each
+built from a real target hidden state; `_hidden` / `_tokens` queue what is not
+fed yet (`len(_tokens) == len(_hidden) - 1`: the newest hidden state waits for
+its next token, which is the y of the next proposal). `propose(y, k)` feeds the
+queue plus y (committed positions), then chains k-1 steps on the module's own
+output; `commit` trims those k-1 drafted positions off again and queues the
+target's hidden states for the tokens it kept. Everything in `propose` is lazy.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from ...cache import rollback
+from ...sampling import Sampling
+from ...taps import FINAL_NORM, decoder_stack
+from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, vocab_size
+from .head import MTPConfig, MTPHead
+
+PREFILL_CHUNK = 512
+
+
+class MTPDrafter:
+    """Draft with an `MTPHead`; the head's weights are already loaded."""
+
+    max_draft = MAX_DRAFT_DEFAULT
+
+    def __init__(self, head: MTPHead, config: MTPConfig):
+        self.head, self.config = head, config
+        self.taps: tuple = (FINAL_NORM,)
+        self._bound = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.cache = [KVCache()]
+        self._hidden: list[mx.array] = []  # [n_i, H] blocks of target hidden states not fed yet
+        self._tokens: list[int] = []
+        self._drafted = 0  # positions the last proposal appended past the committed ones
+
+    def bind(self, model, tokenizer) -> None:
+        stack = decoder_stack(model)
+        h_t = getattr(model, "language_model", model).args.hidden_size
+        h_d = self.head.enorm.weight.shape[0]
+        v_t = vocab_size(model)
+        v_d = (self.head.head.weight.shape[0] if "head" in self.head else v_t)
+        if h_t != h_d or v_t != v_d:
+            raise ValueError(
+                f"MTP head does not fit this target: head hidden {h_d}, vocab {v_d}; "
+                f"target hidden {h_t}, vocab {v_t}. Use the MTP weights of this very model."
+            )
+        self._embed = stack.embed_tokens
+        self._lm_head = _lm_head(model, stack)
+        n_layers = len(stack.layers)
+        self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (n_layers - 1,)
+        self._bound = True
+        self._reset()
+
+    def _run(self, hidden: mx.array, tokens: mx.array):
+        """(logits [T, V], the hidden states a chained step feeds back [T, H])."""
+        logits, o, g = self.head(hidden, tokens, self.cache[0], self._embed, self._lm_head)
+        return logits, (g if self.config.hidden_state == "final_norm" else o)
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        if not self._bound:
+            raise RuntimeError("MTPDrafter.bind(model, tokenizer) must come first")
+        self._reset()
+        h = taps[self.taps[0]]  # [T, H]
+        tokens = [int(t) for t in tokens]
+        T = len(tokens)
+        # Positions 0..T-2 pair h_t with the known next token x_{t+1}.
+        for i in range(0, T - 1, PREFILL_CHUNK):
+            j = min(i + PREFILL_CHUNK, T - 1)
+            self._run(h[i:j], mx.array(tokens[i + 1 : j + 1], mx.uint32))
+            mx.eval([c.state for c in self.cache])
+        self._hidden, self._tokens = [h[T - 1 :]], []
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        if k <= 0:
+            return EMPTY
+        hidden = mx.concatenate(self._hidden) if len(self._hidden) > 1 else self._hidden[0]
+        logits, fed = self._run(hidden, mx.array(self._tokens + [int(y)], mx.uint32))
+        logits, fed = logits[-1], fed[-1:]  # [V], [1, H]: the committed prefix is fed
+        self._hidden, self._tokens = [], []
+        tokens, qs = [], []
+        for i in range(k):
+            if sampling.greedy:
+                t = mx.argmax(logits)
+            else:
+                q = sampling.probs(logits)
+                t = mx.random.categorical(mx.log(q))
+                qs.append(q)
+            tokens.append(t)
+            if i < k - 1:  # chain: the module's own output stands in for h
+                step_logits, fed = self._run(fed, t.reshape(1).astype(mx.uint32))
+                logits = step_logits[-1]
+        self._drafted = k - 1
+        return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        rows = taps[self.taps[0]]  # [n + 1, H] at the kept inputs [y, d0 .. d(n-1)]
+        tokens = [int(t) for t in tokens]
+        if self._drafted:
+            rollback(self.cache, self._drafted)  # drafted positions used the head's own h
+            self._drafted = 0
+        if self._hidden:  # no proposal this step: y pairs with the newest queued h
+            self._tokens += tokens
+        else:  # y was fed by propose
+            self._tokens = tokens[1:]
+        self._hidden.append(rows)
+
+
+def _lm_head(model, stack):
+    """The target's output projection (its `lm_head`, or the tied embedding)."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner.lm_head
+    return stack.embed_tokens.as_linear

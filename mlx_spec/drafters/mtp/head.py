@@ -1,0 +1,100 @@
+"""The MTP module as an MLX module, and the settings a head folder records.
+
+One forward over T positions (formats.md §3):
+
+    e = Emb(x_{t+1})            (e[position 0] = 0 for DeepSeek, GLM, MiMo)
+    u = proj([enorm(e) ; hnorm(h_t)])     ([hnorm(h_t) ; enorm(e)] for MiMo)
+    o = block(u)                the target's own decoder-layer class, causal,
+                                RoPE at position t, its own KV cache
+    g = norm(o);  logits = head(g)
+
+`h_t` is the target's hidden state at position t (the final-norm output by
+default, see `MTPConfig.hidden_state`); a chained step feeds back `g` (or `o`
+for "last_layer", so step 0 and later steps see the same kind of vector).
+The embedding and LM head are the target's unless the checkpoint ships its
+own (DeepSeek-V3, GLM-4.5; formats.md §0.3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+from .families import FAMILIES, build_block
+
+HIDDEN_STATES = ("final_norm", "last_layer")
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    """The head's own fields in a head folder's config.json."""
+
+    family: str  # the target's mlx-lm model_type
+    hidden_state: str = "final_norm"  # target feature read: final-norm output, or last layer's
+    own_embed: bool = False  # the module ships its own embedding (else the target's)
+    own_head: bool = False  # ... its own LM head
+    moe: bool = False  # the block's MLP is a mixture of experts
+    num_modules: int = 1  # MTP modules in the source checkpoint (module 0 is used)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"MTP family {self.family!r} unknown; supported: {sorted(FAMILIES)}")
+        if self.hidden_state not in HIDDEN_STATES:
+            raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}, got {self.hidden_state!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MTPConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MTPHead(nn.Module):
+    def __init__(self, cfg: MTPConfig, args):
+        super().__init__()
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.enorm = nn.RMSNorm(hidden, eps=eps)
+        self.hnorm = nn.RMSNorm(hidden, eps=eps)
+        self.proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.block = build_block(cfg.family, args, cfg.moe)
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+        if cfg.own_embed:
+            self.embed = nn.Embedding(args.vocab_size, hidden)
+        if cfg.own_head:
+            self.head = nn.Linear(hidden, args.vocab_size, bias=False)
+        fam = FAMILIES[cfg.family]
+        self._embed_first, self._mask_first = fam.embed_first, fam.mask_first_position
+
+    def __call__(self, hidden: mx.array, tokens: mx.array, cache, embed, lm_head):
+        """hidden [T, H] at positions p..p+T-1, tokens [T] = x_{p+1..p+T}.
+
+        `embed`/`lm_head` are the target's (used unless the module has its own).
+        Returns (logits [T, V], block output o [T, H], normed g [T, H]).
+        """
+        e = (self.embed if "embed" in self else embed)(tokens[None])  # [1, T, H]
+        if self._mask_first and cache.offset == 0:
+            e = e * (mx.arange(e.shape[1]) > 0)[None, :, None].astype(e.dtype)
+        parts = [self.enorm(e), self.hnorm(hidden[None].astype(e.dtype))]
+        u = self.proj(mx.concatenate(parts if self._embed_first else parts[::-1], axis=-1))
+        mask = create_attention_mask(u, cache, return_array=True)
+        o = self.block(u, mask, cache)  # [1, T, H]
+        g = self.norm(o)
+        logits = (self.head if "head" in self else lm_head)(g)
+        return logits[0], o[0], g[0]
+
+
+def quantize_head(head: MTPHead, group_size: int, bits: int, only: set[str] | None = None) -> None:
+    """Quantize the head's quantizable layers in place (all of them, or those in `only`)."""
+    def wanted(path: str, m: nn.Module) -> bool:
+        if not hasattr(m, "to_quantized"):
+            return False
+        if only is not None:
+            return path in only
+        return m.weight.shape[-1] % group_size == 0
+
+    nn.quantize(head, group_size=group_size, bits=bits, class_predicate=wanted)

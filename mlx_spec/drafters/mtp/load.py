@@ -1,0 +1,162 @@
+"""Loading an MTP drafter from a target checkpoint or from an extracted head folder.
+
+* `probe(folder, config, model)` (`TARGET_PROBES["mtp"]`): the target's own
+  folder. None when the family has no MTP support or the config declares no MTP
+  module; a clear error when the config declares one but its tensors are gone
+  (what mlx-lm conversions do: `sanitize` drops them).
+* `load_head_folder(folder, config, model)` (`LOADERS["mtp"]`): a folder written
+  by `mlx-spec convert head SRC OUT --format mtp`.
+* `extract(folder)`: the module's settings and MLX-ready weights, read from the
+  safetensors headers and only the MTP tensors (shared by the converter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .drafter import MTPDrafter
+from .families import (
+    declared_modules,
+    family_of,
+    load_tensors,
+    module_prefix,
+    norms_are_offsets,
+    tensor_index,
+    text_args,
+    text_config,
+    to_head_weights,
+)
+from .head import MTPConfig, MTPHead, quantize_head
+
+
+def _missing_error(folder: Path, family: str, config: dict, prefix: str) -> ValueError:
+    n = declared_modules(config)
+    return ValueError(
+        f"{folder}: config.json declares {n} MTP module(s) for this {family} model, but "
+        f"the safetensors hold no '{prefix}*' tensors. MLX conversions usually drop them "
+        "(mlx-lm's sanitize removes MTP weights). Extract the head from the original "
+        "Hugging Face checkpoint: mlx-spec convert head ORIGINAL_HF_FOLDER OUT --format mtp "
+        f"--target {folder}, then pass --draft OUT."
+    )
+
+
+def extract(folder: Path, config: dict | None = None):
+    """(MTPConfig, head weights, source config) of the checkpoint's first MTP module.
+
+    Returns None when the model type has no MTP support or the checkpoint neither
+    declares nor holds an MTP module; raises ValueError when it declares one it lacks.
+    """
+    import json
+
+    folder = Path(folder)
+    config = config if config is not None else json.loads((folder / "config.json").read_text())
+    family = family_of(config)
+    if family is None:
+        return None
+    index = tensor_index(folder)
+    prefix = module_prefix(family, config)
+    names = [k for k in index if k.startswith(prefix)]
+    if not names:
+        if declared_modules(config) > 0:
+            raise _missing_error(folder, family, config, prefix)
+        return None
+    raw = load_tensors(index, names)
+    weights = to_head_weights(
+        family, config, {k[len(prefix):]: v for k, v in raw.items()}, norms_are_offsets(family, folder, prefix)
+    )
+    cfg = MTPConfig(
+        family=family,
+        own_embed="embed.weight" in weights,
+        own_head="head.weight" in weights,
+        moe=any(".switch_mlp." in k for k in weights),
+        num_modules=max(declared_modules(config), 1),
+    )
+    return cfg, weights, config
+
+
+def build_head(cfg: MTPConfig, args, weights: dict, quantization: dict | None = None) -> MTPHead:
+    """An `MTPHead` holding `weights` (strictly: every tensor, nothing else)."""
+    head = MTPHead(cfg, args)
+    if quantization is not None:
+        quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
+        quantize_head(head, quantization["group_size"], quantization["bits"], only=quantized)
+    want = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(want) - set(weights))
+    extra = sorted(set(weights) - set(want))
+    if missing or extra:
+        raise ValueError(
+            f"MTP weights do not fit the {cfg.family} MTP module built from the target's "
+            f"config: missing {missing[:4]}, unexpected {extra[:4]}"
+        )
+    bad = [f"{k}: {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in want.items()
+           if tuple(weights[k].shape) != tuple(v.shape)]
+    if bad:
+        raise ValueError(f"MTP weights misshaped for this target: {bad[:3]}")
+    head.load_weights(list(weights.items()), strict=True)
+    mx.eval(head.parameters())
+    return head
+
+
+def probe(folder, config: dict, model) -> MTPDrafter | None:
+    """The MTP drafter of a target checkpoint folder, or None when it has no MTP module."""
+    found = extract(Path(folder), config)
+    if found is None:
+        return None
+    cfg, weights, _ = found
+    args = text_args(cfg.family, model=model)
+    _check_same_model(config, args, folder)
+    quant = _quantization(config) if any(k.endswith(".scales") for k in weights) else None
+    return MTPDrafter(build_head(cfg, args, weights, quant), cfg)
+
+
+def load_head_folder(folder, config: dict, model) -> MTPDrafter:
+    """An extracted MTP head folder (`mlx-spec convert head ... --format mtp`)."""
+    cfg = MTPConfig.from_dict(config)
+    weights = mx.load(str(Path(folder) / "model.safetensors"))
+    args = text_args(cfg.family, model=model)
+    have = family_of({"model_type": getattr(model, "model_type", None)})
+    if have != cfg.family:
+        raise ValueError(
+            f"{folder} is a {cfg.family} MTP head; the target is a "
+            f"{getattr(model, 'model_type', type(model).__name__)} model"
+        )
+    return MTPDrafter(build_head(cfg, args, weights, config.get("quantization")), cfg)
+
+
+def load_mtp(path, model, hidden_state: str | None = None) -> MTPDrafter:
+    """Python API: the MTP drafter in `path` (target checkpoint or head folder).
+
+    `hidden_state` overrides the feature the head reads ("final_norm" or "last_layer").
+    """
+    from ...heads import load_drafter
+
+    drafter = load_drafter(path, model, kind="mtp")
+    if hidden_state is not None and hidden_state != drafter.config.hidden_state:
+        from dataclasses import replace
+
+        drafter = MTPDrafter(drafter.head, replace(drafter.config, hidden_state=hidden_state))
+    return drafter
+
+
+def _quantization(config: dict) -> dict:
+    q = config.get("quantization") or text_config(config).get("quantization")
+    if not q:
+        raise ValueError("MTP weights are quantized but config.json has no 'quantization' block")
+    return {"group_size": q["group_size"], "bits": q["bits"]}
+
+
+def _check_same_model(config: dict, args, folder) -> None:
+    text = text_config(config)
+    for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        have, want = getattr(args, key, None), text.get(key)
+        if want is not None and have is not None and have != want:
+            raise ValueError(
+                f"{folder} is not the loaded target's checkpoint ({key}: {want} there, "
+                f"{have} in the model); pass the target's own folder"
+            )
+
+
+__all__ = ["build_head", "extract", "load_head_folder", "load_mtp", "probe"]
