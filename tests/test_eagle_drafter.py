@@ -8,6 +8,7 @@ checks the converter's key mapping and the drafter's cache/rollback handling.
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
@@ -136,8 +137,16 @@ def greedy_reference(model, prompt, n):
     return out
 
 
+def quantized_llama():
+    model = tiny.llama_model(layers=6, tied=True)
+    nn.quantize(model, group_size=32, bits=4)  # quantized embedding and tied LM head too
+    mx.eval(model.parameters())
+    return model
+
+
 TARGETS = {
     "llama": lambda: tiny.llama_model(layers=6),
+    "llama-q4-tied": quantized_llama,
     "qwen2": lambda: tiny.qwen2_model(layers=4),
     "gemma3-sliding": lambda: tiny.gemma3_model(layers=4, window=8),
     "qwen3_5-hybrid": lambda: tiny.qwen3_5_model(layers=4),
