@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 import tiny
 
 V = tiny.VOCAB
+QWEN = ("qwen3_5", "qwen3_next")  # zero-centred norms, mtp.* at the top level
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
          "mrope_section": [1, 1, 0]}
 
@@ -58,6 +59,17 @@ CONFIGS = {
         first_k_dense_replace=2, num_hidden_layers=2, num_key_value_heads=2, rms_norm_eps=1e-5,
         rope_theta=10000.0, rope_scaling=None, use_qk_norm=True, tie_word_embeddings=False,
         attention_bias=True, partial_rotary_factor=0.5, num_nextn_predict_layers=1),
+    # MoE main layers: mlx-lm's qwen3_next sanitize only drops mtp.* (and shifts norms)
+    # when per-expert keys are present, as in a real Qwen3-Next checkpoint.
+    "qwen3_next": lambda v: dict(
+        model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], hidden_size=64,
+        num_hidden_layers=2, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[],
+        moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=v, rope_theta=10000.0,
+        partial_rotary_factor=0.25, max_position_embeddings=4096, norm_topk_prob=True,
+        tie_word_embeddings=False, full_attention_interval=2, num_nextn_predict_layers=1),
     "mimo": lambda v: dict(
         model_type="mimo", architectures=["MiMoForCausalLM"], hidden_size=64, num_hidden_layers=2,
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -96,7 +108,11 @@ def _to_hf(family: str, config: dict, params: dict) -> dict:
     """mlx-lm in-memory names/layouts -> the Hugging Face checkpoint's."""
     out = {}
     for k, w in params.items():
-        if family == "qwen3_5":
+        if family == "qwen3_next" and ".switch_mlp." in k:  # stacked -> one tensor per expert
+            for e in range(w.shape[0]):
+                out[k.replace(".switch_mlp.", f".experts.{e}.")] = w[e]
+            continue
+        if family in QWEN:
             norm = k.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight",
                                "model.norm.weight", ".q_norm.weight", ".k_norm.weight"))
             if norm and w.ndim == 1:
@@ -136,15 +152,23 @@ def _block_shapes(family: str, t: dict) -> dict:
             "self_attn.o_proj.weight": (H, nh * t["v_head_dim"]),
         })
     else:
-        q_out = 2 * nh * d if family == "qwen3_5" else nh * d  # Qwen: query + output gate
+        q_out = 2 * nh * d if family in QWEN else nh * d  # Qwen: query + output gate
         s.update({"self_attn.q_proj.weight": (q_out, H), "self_attn.k_proj.weight": (nkv * d, H),
                   "self_attn.v_proj.weight": (nkv * d, H), "self_attn.o_proj.weight": (H, nh * d)})
         if family == "mimo" or t.get("attention_bias"):
             s.update({"self_attn.q_proj.bias": (nh * d,), "self_attn.k_proj.bias": (nkv * d,),
                       "self_attn.v_proj.bias": (nkv * d,)})
-        if family == "qwen3_5" or t.get("use_qk_norm"):
+        if family in QWEN or t.get("use_qk_norm"):
             s.update({"self_attn.q_norm.weight": (d,), "self_attn.k_norm.weight": (d,)})
-    if t.get("n_routed_experts"):  # the MTP layer sits past first_k_dense_replace: MoE
+    if t.get("num_experts"):  # Qwen3-Next: softmax router, one gated shared expert
+        E, Im, Is = t["num_experts"], t["moe_intermediate_size"], t["shared_expert_intermediate_size"]
+        s.update({"mlp.gate.weight": (E, H), "mlp.shared_expert_gate.weight": (1, H)})
+        for e in range(E):
+            s.update({f"mlp.experts.{e}.gate_proj.weight": (Im, H), f"mlp.experts.{e}.up_proj.weight": (Im, H),
+                      f"mlp.experts.{e}.down_proj.weight": (H, Im)})
+        s.update({"mlp.shared_expert.gate_proj.weight": (Is, H), "mlp.shared_expert.up_proj.weight": (Is, H),
+                  "mlp.shared_expert.down_proj.weight": (H, Is)})
+    elif t.get("n_routed_experts"):  # the MTP layer sits past first_k_dense_replace: MoE
         E, Im = t["n_routed_experts"], t["moe_intermediate_size"]
         Is = Im * t["n_shared_experts"]
         s.update({"mlp.gate.weight": (E, H), "mlp.gate.e_score_correction_bias": (E,)})
@@ -171,14 +195,14 @@ def _random(rng, key: str, shape, offset_norms: bool, residual: float) -> np.nda
 def _mtp_tensors(family: str, config: dict, hf: dict, rng, residual: float, glm46: bool) -> dict:
     t = text(config)
     H = t["hidden_size"]
-    qwen = family == "qwen3_5"
+    qwen = family in QWEN
     block = {k: _random(rng, k, s, qwen, residual) for k, s in _block_shapes(family, t).items()}
     # The projection passes the next token's embedding through, plus a little of h.
     eye, noise = np.eye(H), 0.3 * rng.standard_normal((H, H)) / np.sqrt(H)
     proj = np.concatenate([noise, eye] if family == "mimo" else [eye, noise], axis=1)
     norms = {n: _random(rng, n + "norm.weight", (H,), qwen, 1.0) for n in ("e", "h")}
     # A trained head's last norm matches the target's final norm closely.
-    final = np.array(hf["model.language_model.norm.weight" if qwen else "model.norm.weight"])
+    final = np.array(hf.get("model.language_model.norm.weight", hf.get("model.norm.weight")))
     norms["final"] = final + 0.02 * rng.standard_normal(H)
     if qwen:
         out = {f"mtp.layers.0.{k}": v for k, v in block.items()}

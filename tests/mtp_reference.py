@@ -80,13 +80,29 @@ def sigmoid_moe(W, t, x):
     return y + mlp(W, "mlp.shared_experts.", x)
 
 
+def softmax_moe(W, t, x):
+    """Qwen3-Next router: softmax over experts, top-k, and a sigmoid-gated shared expert."""
+    probs = softmax(x @ W["mlp.gate.weight"].T)
+    pick = np.argsort(-probs, axis=-1)[:, : t["num_experts_per_tok"]]
+    w = np.take_along_axis(probs, pick, -1)
+    if t["norm_topk_prob"]:
+        w = w / w.sum(-1, keepdims=True)
+    y = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j, e in enumerate(pick[i]):
+            y[i] += w[i, j] * mlp(W, f"mlp.experts.{e}.", x[i : i + 1])[0]
+    return y + sigmoid(x @ W["mlp.shared_expert_gate.weight"].T) * mlp(W, "mlp.shared_expert.", x)
+
+
 def ffn(W, t, x):
+    if "mlp.shared_expert_gate.weight" in W:
+        return softmax_moe(W, t, x)
     return sigmoid_moe(W, t, x) if "mlp.gate.weight" in W else mlp(W, "mlp.", x)
 
 
 def qwen3_5_block(W, t, x, pos):
     T, nh, nkv, d, eps = x.shape[0], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"], t["rms_norm_eps"]
-    rp = t["rope_parameters"]
+    rp = t.get("rope_parameters") or t  # Qwen3-Next keeps rope_theta / partial_rotary_factor at the top
     h = rms(x, W["input_layernorm.weight"], eps, offset=True)
     qg = (h @ W["self_attn.q_proj.weight"].T).reshape(T, nh, 2 * d)
     q, gate = qg[..., :d], qg[..., d:]
@@ -144,9 +160,10 @@ class Reference:
         P = ckpts.main_params(folder)
         embed = P.get("model.language_model.embed_tokens.weight", P.get("model.embed_tokens.weight"))
         head = P["lm_head.weight"]
-        pre = {"qwen3_5": "mtp.", "mimo": "model.mtp_layers.0."}.get(family, f"model.layers.{self.t['num_hidden_layers']}.")
+        pre = {"qwen3_5": "mtp.", "qwen3_next": "mtp.", "mimo": "model.mtp_layers.0."}.get(
+            family, f"model.layers.{self.t['num_hidden_layers']}.")
         W = {k[len(pre):]: v for k, v in P.items() if k.startswith(pre)}
-        if family == "qwen3_5":
+        if family in ckpts.QWEN:
             self.enorm, self.hnorm = W["pre_fc_norm_embedding.weight"], W["pre_fc_norm_hidden.weight"]
             self.proj, self.norm = W["fc.weight"], W["norm.weight"]
             self.block = {k[len("layers.0."):]: v for k, v in W.items() if k.startswith("layers.0.")}
@@ -162,8 +179,8 @@ class Reference:
 
     def _block(self, u, pos):
         t, f = self.t, self.family
-        if f == "qwen3_5":
-            return qwen3_5_block(self.block, t, u, pos)
+        if f in ckpts.QWEN:
+            return qwen3_5_block(self.block, t, u, pos)  # the same gated attention layer
         if f == "deepseek_v3":
             return deepseek_v3_block(self.block, t, u, pos)
         d = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
@@ -173,7 +190,7 @@ class Reference:
     def forward(self, hidden, tokens):
         """hidden [T, H] at positions 0..T-1, tokens [T] = x_{1..T}: (logits, o, g)."""
         hidden, tokens = np.asarray(hidden, np.float64), np.asarray(tokens)
-        eps, qwen = self.t["rms_norm_eps"], self.family == "qwen3_5"
+        eps, qwen = self.t["rms_norm_eps"], self.family in ckpts.QWEN
         e = self.embed[tokens]
         if not qwen:
             e = e.copy()

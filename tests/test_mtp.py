@@ -33,8 +33,9 @@ LAYOUTS = {  # case -> (family, write() options)
     "glm4.5": ("glm4_moe", {}),
     "glm4.6": ("glm4_moe", {"glm46": True}),  # no shared_head.head / embed_tokens in the module
     "mimo": ("mimo", {}),
+    "qwen3_next": ("qwen3_next", {}),  # MoE MTP layer, per-expert keys
 }
-FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo"]  # deepseek_v3 has 61 layers: fewer tokens
+FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo", "qwen3_next"]  # deepseek_v3 has 61 layers: fewer tokens
 _loaded: dict = {}
 
 
@@ -230,3 +231,25 @@ def test_family_table_covers_the_documented_layouts():
     assert FAMILIES["mimo"].embed_first is False  # hidden first
     assert all(FAMILIES[f].embed_first for f in ("deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_next"))
     assert not FAMILIES["qwen3_5"].mask_first_position and FAMILIES["deepseek_v3"].mask_first_position
+
+
+def test_fused_qwen3_5_moe_experts_become_switch_mlp():
+    from mlx_spec.drafters.mtp.families import to_head_weights
+
+    E, I, H = 3, 4, 8
+    gate_up, down = mx.random.normal((E, 2 * I, H)), mx.random.normal((E, H, I))
+    raw = {"layers.0.mlp.experts.gate_up_proj": gate_up, "layers.0.mlp.experts.down_proj": down,
+           "layers.0.mlp.gate.weight": mx.zeros((E, H)), "norm.weight": mx.zeros((H,))}
+    w = to_head_weights("qwen3_5_moe", {}, raw, shift=True)
+    np.testing.assert_array_equal(np.array(w["block.mlp.switch_mlp.gate_proj.weight"]), np.array(gate_up[:, :I]))
+    np.testing.assert_array_equal(np.array(w["block.mlp.switch_mlp.up_proj.weight"]), np.array(gate_up[:, I:]))
+    np.testing.assert_array_equal(np.array(w["block.mlp.switch_mlp.down_proj.weight"]), np.array(down))
+    assert np.array(w["norm.weight"]).tolist() == [1.0] * H  # offsets shifted
+    assert np.array(w["block.mlp.gate.weight"]).sum() == 0  # a router is not a norm: untouched
+
+
+def test_unknown_tensors_in_the_mtp_module_are_refused():
+    from mlx_spec.drafters.mtp.families import to_head_weights
+
+    with pytest.raises(ValueError, match="matches no known key"):
+        to_head_weights("qwen3_5", {}, {"fc.weight": mx.zeros((2, 4)), "weird.weight": mx.zeros(2)}, False)
