@@ -253,3 +253,10 @@ def test_unknown_tensors_in_the_mtp_module_are_refused():
 
     with pytest.raises(ValueError, match="matches no known key"):
         to_head_weights("qwen3_5", {}, {"fc.weight": mx.zeros((2, 4)), "weird.weight": mx.zeros(2)}, False)
+
+
+def test_mtp_weights_of_another_model_are_refused(root):
+    folder, _, _ = checkpoint(root, "qwen3_5")
+    other = tiny.qwen3_5_model(layers=2)
+    with pytest.raises(ValueError, match="not the loaded target's checkpoint.*num_hidden_layers"):
+        mlx_spec.load_drafter(folder, other, kind="mtp")

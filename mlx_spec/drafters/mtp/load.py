@@ -102,12 +102,15 @@ def build_head(cfg: MTPConfig, args, weights: dict, quantization: dict | None = 
 
 def probe(folder, config: dict, model) -> MTPDrafter | None:
     """The MTP drafter of a target checkpoint folder, or None when it has no MTP module."""
+    family = family_of(config)
+    if family is None:
+        return None
+    args = text_args(family, model=model)
+    _check_same_model(config, args, folder)  # before reading any tensor
     found = extract(Path(folder), config)
     if found is None:
         return None
     cfg, weights, _ = found
-    args = text_args(cfg.family, model=model)
-    _check_same_model(config, args, folder)
     quant = _quantization(config) if any(k.endswith(".scales") for k in weights) else None
     return MTPDrafter(build_head(cfg, args, weights, quant), cfg)
 
@@ -115,14 +118,14 @@ def probe(folder, config: dict, model) -> MTPDrafter | None:
 def load_head_folder(folder, config: dict, model) -> MTPDrafter:
     """An extracted MTP head folder (`mlx-spec convert head ... --format mtp`)."""
     cfg = MTPConfig.from_dict(config)
-    weights = mx.load(str(Path(folder) / "model.safetensors"))
-    args = text_args(cfg.family, model=model)
     have = family_of({"model_type": getattr(model, "model_type", None)})
     if have != cfg.family:
         raise ValueError(
             f"{folder} is a {cfg.family} MTP head; the target is a "
             f"{getattr(model, 'model_type', type(model).__name__)} model"
         )
+    args = text_args(cfg.family, model=model)
+    weights = mx.load(str(Path(folder) / "model.safetensors"))
     return MTPDrafter(build_head(cfg, args, weights, config.get("quantization")), cfg)
 
 
