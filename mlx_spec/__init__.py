@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
+    "calibrate": ".adaptive",
     "CacheRollbackError": ".cache",
     "make_cache": ".cache",
     "Draft": ".drafters",

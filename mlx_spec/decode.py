@@ -22,7 +22,7 @@ from .sampling import Sampling
 from .stats import SpecStats
 from .taps import Taps
 
-DEFAULT_NUM_DRAFT_TOKENS = 4
+DEFAULT_NUM_DRAFT_TOKENS = "auto"
 PREFILL_STEP = 2048
 
 
@@ -118,7 +118,7 @@ def stream_generate(
     drafter: Drafter | None = None,
     *,
     max_tokens: int = 256,
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
     temp: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -131,23 +131,26 @@ def stream_generate(
 
     Greedy output is token for token the target's; sampled output has exactly
     the target's distribution. Bad input raises ValueError here, before any
-    model work. `prompt_cache` (from `mlx_spec.make_cache`) holds exactly the
-    committed tokens when the generator ends or is closed early.
+    model work. `num_draft_tokens` is 1..16 or "auto" (chosen per step from the
+    measured verify cost and the acceptance so far; see `mlx_spec.adaptive`).
+    `prompt_cache` (from `mlx_spec.make_cache`) holds exactly the committed
+    tokens when the generator ends or is closed early.
     """
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
     ids = _encode(tokenizer, prompt)
     if not (isinstance(max_tokens, int) and max_tokens >= 1):
         raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    k_max = _check_num_draft(num_draft_tokens, drafter)
+    _check_num_draft(num_draft_tokens)
     sampling = Sampling(temp, top_p, top_k, min_p)
     cache = prepare_cache(model, prompt_cache)
     if drafter is not None:
         drafter.bind(model, tokenizer)
-    return _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, seed, trace)
+    lengths = _draft_lengths(model, drafter, num_draft_tokens)
+    return _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens, seed, trace)
 
 
-def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, seed, trace):
+def _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens, seed, trace):
     if seed is not None:
         mx.random.seed(seed)
     stats = SpecStats(prompt_tokens=len(ids))
@@ -176,10 +179,13 @@ def _decode(model, tokenizer, ids, drafter, k_max, sampling, cache, max_tokens, 
                 _finish_stats(stats, emitted, tic)
                 yield Response(detok.last_segment, token, from_draft, finish, len(ids), emitted, stats)
                 return
-            k = min(k_max, max_tokens - emitted - 1)  # the block's last token must fit too
-            draft = drafter.propose(y, k, sampling) if drafter is not None and k > 0 else EMPTY
+            k, gain = lengths.choose()
+            k = min(k, max_tokens - emitted - 1)  # the block's last token must fit too
+            t0 = time.perf_counter()
+            draft = drafter.propose(y, k, sampling) if k > 0 else EMPTY
             v = verifier.step(y, draft)
-            stats.observe(v.proposed, v.n, trace)
+            lengths.observe(len(v.proposed), v.n, time.perf_counter() - t0)
+            stats.observe(v.proposed, v.n, trace, k, gain)
             if drafter is not None:
                 drafter.commit([y] + v.proposed[: v.n], v.taps)
             block, y = [(t, i < v.n) for i, t in enumerate(v.emitted)], v.token
@@ -219,11 +225,35 @@ def _encode(tokenizer, prompt) -> list[int]:
     return ids
 
 
-def _check_num_draft(num_draft_tokens, drafter) -> int:
+def _check_num_draft(num_draft_tokens) -> None:
+    if num_draft_tokens == "auto":
+        return
     if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT):
         raise ValueError(
-            f"num_draft_tokens must be an integer in 1..{MAX_DRAFT}, got {num_draft_tokens!r}"
+            f'num_draft_tokens must be "auto" or an integer in 1..{MAX_DRAFT}, '
+            f"got {num_draft_tokens!r}"
         )
+
+
+class FixedK:
+    """The same draft length every step (0: plain decoding)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> tuple[int, None]:
+        return self.k, None
+
+    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+def _draft_lengths(model, drafter, num_draft_tokens):
     if drafter is None:
-        return 0
-    return min(num_draft_tokens, drafter.max_draft)
+        return FixedK(0)
+    k_max = min(drafter.max_draft, MAX_DRAFT)
+    if num_draft_tokens == "auto":
+        from .adaptive import policy_for
+
+        return policy_for(model, drafter, k_max)
+    return FixedK(min(num_draft_tokens, k_max))

@@ -19,7 +19,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="drafter: ngram (default), none, mtp, dspark, or a converted head folder")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="draft length, 1..16")
+    p.add_argument("--num-draft-tokens", type=_k, default="auto",
+                   help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="measure this model's verify cost curve again (used by auto)")
     p.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read stdin")
     p.add_argument("--max-tokens", "-m", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0)
@@ -30,6 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as is, without the model's chat template")
     p.add_argument("--verbose", action="store_true", help="also print per-position acceptance")
+
+
+def _k(value: str):
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer 1..16 or auto, got {value!r}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,9 +87,13 @@ def make_drafter(args, model, model_path: str):
 
 
 def _generate(args, prompt: str) -> int:
-    import mlx_spec
-    from mlx_spec.decode import DEFAULT_NUM_DRAFT_TOKENS
+    import logging
 
+    import mlx_spec
+
+    log = logging.getLogger("mlx_spec")  # progress notes (e.g. calibration) on stderr
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler(sys.stderr))
     if not prompt.strip():
         raise ValueError("the prompt is empty")
     model_path = resolve_model(args.model)
@@ -86,11 +102,12 @@ def _generate(args, prompt: str) -> int:
     if not args.ignore_chat_template and tokenizer.chat_template is not None:
         messages = [{"role": "user", "content": prompt}]
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    k = args.num_draft_tokens if args.num_draft_tokens is not None else DEFAULT_NUM_DRAFT_TOKENS
+    if args.recalibrate:
+        mlx_spec.calibrate(model)
     last = None
     for last in mlx_spec.stream_generate(
         model, tokenizer, prompt, drafter, max_tokens=args.max_tokens,
-        num_draft_tokens=k, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
+        num_draft_tokens=args.num_draft_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed,
     ):
         print(last.text, end="", flush=True)

@@ -11,6 +11,8 @@ class StepTrace:
 
     proposed: list[int]
     accepted: int
+    k: int = 0  # the draft length asked for (the drafter may propose fewer)
+    expected_gain: float | None = None  # the adaptive policy's estimate, vs plain decoding
 
 
 @dataclass
@@ -23,17 +25,19 @@ class SpecStats:
     target_forwards: int = 0  # verify forwards after the prefill
     drafted: int = 0
     accepted: int = 0
-    chosen_k: list[int] = field(default_factory=list)  # k of each verify step
+    chosen_k: list[int] = field(default_factory=list)  # draft length chosen at each verify step
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
     _pos_accepted: list[int] = field(default_factory=list, repr=False)
 
-    def observe(self, proposed: list[int], n: int, keep_trace: bool) -> None:
+    def observe(self, proposed: list[int], n: int, keep_trace: bool, chosen: int = 0,
+                gain: float | None = None) -> None:
+        """One verify step: `chosen` tokens asked for, `proposed` drafted, n kept."""
+        self.chosen_k.append(chosen)
         k = len(proposed)
         self.target_forwards += 1
         self.drafted += k
         self.accepted += n
-        self.chosen_k.append(k)
         grow = k - len(self._pos_drafted)
         if grow > 0:
             self._pos_drafted += [0] * grow
@@ -44,7 +48,7 @@ class SpecStats:
         if keep_trace:
             if self.trace is None:
                 self.trace = []
-            self.trace.append(StepTrace(proposed, n))
+            self.trace.append(StepTrace(proposed, n, chosen, gain))
 
     @property
     def acceptance_rate(self) -> float:

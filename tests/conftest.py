@@ -20,6 +20,18 @@ def pytest_configure(config):
         restart_with_fast_blas(["-m", "pytest", *sys.argv[1:]])
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_calibration_cache(tmp_path_factory):
+    """Calibrations of the tests' tiny random models stay out of the user's cache."""
+    from mlx_spec import adaptive
+
+    path = tmp_path_factory.mktemp("calibration")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(adaptive, "cache_dir", lambda: path)
+    yield path
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Folder of the zoo's SmolLM2-135M-Instruct in float32 (downloaded on first use)."""

@@ -1,0 +1,209 @@
+"""Adaptive draft length: choose k per step to maximise expected tokens per second.
+
+Before each step the policy picks k in 0..k_max maximising
+
+    E(k) / T(k),   E(k) = 1 + sum_{j=1..k} prod_{i<j} a_i,   T(k) = V(k+1) + D(k)
+
+* `a_i`: the acceptance rate at draft position i given the earlier ones were
+  accepted, tracked online (running mean, then an exponential moving average);
+* `V(n)`: the target's time to verify n tokens: the calibrated curve
+  T(n)/T(1) of this model on this device (measured once, cached on disk per
+  model, dtype and device), corrected online by the step times observed at
+  each n;
+* `D(k)`: the drafter's time to propose k tokens (zero for n-gram; k single-
+  token forwards of a draft model, measured the same way).
+
+k = 0 ("park") is plain decoding, chosen when no draft length pays; while
+parked the policy probes with a short draft now and then (at growing
+intervals), so it recovers when the text becomes predictable again. The
+decision is pure Python arithmetic on a handful of floats: no host sync. Any k
+is lossless, so the choice affects only speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("mlx_spec")
+
+N_MAX = 17  # verify rows: y plus at most 16 drafted tokens
+PRIOR, PRIOR_WEIGHT = 0.6, 2  # acceptance assumed before observing, worth 2 observations
+EMA = 0.1  # weight of a new observation once the running mean's is smaller
+PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
+
+
+@dataclass
+class CostModel:
+    """Seconds to verify n = 1..N_MAX tokens, and to draft one token."""
+
+    verify: list[float]  # verify[n - 1] = seconds for a forward over n tokens
+    draft_per_token: float = 0.0
+
+    def step_seconds(self, k: int) -> float:
+        return self.verify[k] + self.draft_per_token * k
+
+
+@dataclass
+class AdaptiveK:
+    """The per-step draft-length policy (see the module docstring)."""
+
+    costs: CostModel
+    k_max: int
+    accept: list[float] = field(default_factory=list)  # a_i
+    seen: list[int] = field(default_factory=list)  # observations at position i
+    correction: dict[int, float] = field(default_factory=dict)  # k -> observed / calibrated time
+    parked: int = 0
+    probe_every: int = PROBE_FIRST
+
+    def __post_init__(self):
+        self.k_max = min(self.k_max, len(self.costs.verify) - 1)
+        self.accept = [PRIOR] * self.k_max
+        self.seen = [0] * self.k_max
+
+    def expected_tokens(self, k: int) -> float:
+        total, survive = 1.0, 1.0
+        for i in range(k):
+            survive *= self.accept[i]
+            total += survive
+        return total
+
+    def seconds(self, k: int) -> float:
+        return self.costs.step_seconds(k) * self.correction.get(k, 1.0)
+
+    def rates(self) -> list[float]:
+        """Expected tokens per second for k = 0..k_max."""
+        return [self.expected_tokens(k) / self.seconds(k) for k in range(self.k_max + 1)]
+
+    def choose(self) -> tuple[int, float]:
+        """(k, its expected gain over plain decoding)."""
+        rates = self.rates()
+        k = max(range(len(rates)), key=rates.__getitem__)
+        if k == 0 and self.k_max > 0:
+            self.parked += 1
+            if self.parked >= self.probe_every:  # look again, cheaply
+                self.parked, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
+                k = 1
+        else:
+            self.parked, self.probe_every = 0, PROBE_FIRST
+        return k, rates[k] / rates[0]
+
+    def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """A verify step with `proposed` drafted tokens kept `accepted` of them."""
+        for i in range(min(proposed, self.k_max)):
+            if i > accepted:  # never reached: position i-1 was rejected
+                break
+            self.seen[i] += 1
+            w = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), EMA)
+            self.accept[i] += w * ((i < accepted) - self.accept[i])
+        if seconds is not None and proposed <= self.k_max:
+            # Per-k ratio of observed to calibrated time. A k never tried keeps its
+            # calibrated cost, so a slowdown seen at one k makes the policy try the
+            # others, until every k in play is measured under today's conditions.
+            ratio = seconds / self.costs.step_seconds(proposed)
+            old = self.correction.get(proposed)
+            self.correction[proposed] = ratio if old is None else old + EMA * (ratio - old)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("MLX_SPEC_CACHE") or Path.home() / ".cache" / "mlx-spec"
+    return Path(root) / "calibration"
+
+
+def model_key(model) -> str:
+    """Identity of (model architecture and weights' dtype, device, MLX version)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    dtypes = sorted({str(v.dtype) for _, v in params})
+    n_params = sum(v.size for _, v in params)
+    args = getattr(model, "args", None)
+    config = {k: v for k, v in sorted(vars(args).items())} if args is not None else {}
+    ident = {
+        "class": f"{type(model).__module__}.{type(model).__name__}",
+        "config": repr(config),
+        "dtypes": dtypes,
+        "params": n_params,
+        "device": str(mx.default_device()),
+        "machine": platform.machine(),
+        "processor": _processor(),
+        "mlx": mx.__version__,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _processor() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def verify_seconds(model, n_max: int = N_MAX, recalibrate: bool = False) -> list[float]:
+    """Seconds of a forward over n = 1..n_max tokens for this model on this device (cached)."""
+    path = cache_dir() / f"{model_key(model)}.json"
+    if not recalibrate and path.is_file():
+        try:
+            times = json.loads(path.read_text())["verify_seconds"]
+            if len(times) >= n_max:
+                return times[:n_max]
+        except (ValueError, KeyError):
+            pass  # a damaged entry is measured again
+    log.info("calibrating the verify cost curve of this model (once per model and device)")
+    times = measure_verify_seconds(model, n_max)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"verify_seconds": times}))
+    tmp.replace(path)
+    return times
+
+
+def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeats: int = 3) -> list[float]:
+    """Seconds of a forward over n = 1..n_max tokens after `context` cached tokens.
+
+    The fastest of `repeats` interleaved passes (interference only ever adds
+    time), made non-decreasing in n (a wider block never costs less).
+    """
+    import time
+
+    import mlx.core as mx
+
+    from .cache import make_cache, rollback
+    from .drafters.base import vocab_size
+
+    cache = make_cache(model)
+    ids = (mx.arange(context + n_max) * 7919 + 3) % vocab_size(model)  # any valid tokens
+    mx.eval(model(ids[None, :context], cache=cache))
+    best = [float("inf")] * n_max
+    for rep in range(repeats + 1):  # pass 0 only warms up
+        for n in range(1, n_max + 1):
+            tic = time.perf_counter()
+            mx.eval(model(ids[None, context : context + n], cache=cache))
+            if rep:
+                best[n - 1] = min(best[n - 1], time.perf_counter() - tic)
+            rollback(cache, n)
+    for i in range(1, n_max):
+        best[i] = max(best[i], best[i - 1])
+    return best
+
+
+def calibrate(model) -> list[float]:
+    """Measure (again) and cache the verify times of `model` on this device."""
+    return verify_seconds(model, recalibrate=True)
+
+
+def policy_for(model, drafter, k_max: int, recalibrate: bool = False) -> AdaptiveK:
+    """The adaptive policy for this target and drafter."""
+    verify = verify_seconds(model, recalibrate=recalibrate)
+    draft_model = getattr(drafter, "model", None)
+    per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
+    return AdaptiveK(CostModel(verify, per_token), k_max)

@@ -1,0 +1,133 @@
+"""Adaptive draft length: the policy's choices on synthetic costs, its calibration cache,
+and losslessness whatever k it picks."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx_spec
+import tiny
+from mlx_spec import adaptive
+from mlx_spec.adaptive import AdaptiveK, CostModel
+
+
+def linear_costs(slope, draft=0.0):
+    """V(n) = 1 + slope * (n - 1) seconds, for n = 1..17."""
+    return CostModel([1.0 + slope * n for n in range(17)], draft)
+
+
+def feed(policy, steps, accept_len):
+    for _ in range(steps):
+        k, _ = policy.choose()
+        policy.observe(k, min(k, accept_len))
+
+
+def test_parks_when_nothing_is_accepted():
+    policy = AdaptiveK(linear_costs(0.1), k_max=16)
+    feed(policy, 30, accept_len=0)
+    ks = [policy.choose()[0] for _ in range(3)]
+    assert ks == [0, 0, 0]
+
+
+def test_drafts_long_when_everything_is_accepted_and_verify_is_cheap():
+    policy = AdaptiveK(linear_costs(0.02), k_max=16)
+    feed(policy, 30, accept_len=16)
+    assert policy.choose()[0] == 16
+
+
+def test_steep_verify_cost_or_costly_drafter_keeps_k_short():
+    steep = AdaptiveK(linear_costs(0.5), k_max=16)
+    feed(steep, 30, accept_len=16)
+    costly = AdaptiveK(linear_costs(0.02, draft=0.6), k_max=16)
+    feed(costly, 30, accept_len=16)
+    # Accepted, but each extra row (or draft step) costs about as much as it gains.
+    assert 1 <= steep.choose()[0] <= 4
+    assert costly.choose()[0] <= 4
+
+
+def test_parked_policy_probes_and_recovers():
+    policy = AdaptiveK(linear_costs(0.1), k_max=8)
+    feed(policy, 40, accept_len=0)
+    probes = 0
+    for _ in range(adaptive.PROBE_MAX + 1):  # the text becomes predictable
+        k, _ = policy.choose()
+        probes += k > 0
+        policy.observe(k, k)
+        if k > 1:
+            break
+    assert probes >= 1 and k > 1
+
+
+def test_expected_gain_is_reported_relative_to_plain_decoding():
+    policy = AdaptiveK(linear_costs(0.0), k_max=4)
+    feed(policy, 50, accept_len=4)
+    k, gain = policy.choose()
+    assert k == 4 and gain == pytest.approx(policy.expected_tokens(4), rel=1e-6)
+    assert 4.5 < gain <= 5.0
+
+
+def test_observed_step_times_correct_the_curve_shape():
+    policy = AdaptiveK(linear_costs(0.05), k_max=8)
+    for _ in range(60):
+        k, _ = policy.choose()
+        # Really, wide blocks cost far more than calibrated (e.g. another dtype path).
+        policy.observe(k, k, seconds=1.0 + 1.5 * k)
+    assert policy.choose()[0] <= 2
+
+
+def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
+    policy = AdaptiveK(linear_costs(0.05), k_max=8)
+    feed(policy, 20, accept_len=8)
+    before = policy.choose()[0]
+    chosen = []
+    for _ in range(40):  # everything 3x slower than calibrated
+        k, _ = policy.choose()
+        chosen.append(k)
+        policy.observe(k, k, seconds=3 * policy.costs.step_seconds(k))
+    # It may try other k while it re-measures them, then settles where it was.
+    assert chosen[-10:] == [before] * 10
+
+
+def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
+    calls = []
+    monkeypatch.setattr(adaptive, "measure_verify_seconds",
+                        lambda model, n_max: calls.append(1) or [0.01 * (n + 1) for n in range(n_max)])
+    model = tiny.llama_model(seed=1)
+    adaptive.verify_seconds(model)
+    adaptive.verify_seconds(model)
+    assert len(calls) == 1  # the second call read the cache
+    adaptive.verify_seconds(model, recalibrate=True)
+    assert len(calls) == 2
+
+    keys = {adaptive.model_key(model)}
+    keys.add(adaptive.model_key(tiny.llama_model(seed=1, layers=3)))  # another model
+    model.set_dtype(mx.float16)
+    keys.add(adaptive.model_key(model))  # another dtype
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    keys.add(adaptive.model_key(model))  # another device
+    assert len(keys) == 4
+
+
+def test_measured_curve_is_monotone_and_positive():
+    times = adaptive.measure_verify_seconds(tiny.llama_model(), n_max=6, context=8, repeats=1)
+    assert len(times) == 6 and times[0] > 0
+    assert all(b >= a for a, b in zip(times, times[1:]))
+
+
+@pytest.mark.parametrize("dname", ["ngram", "draft-model"])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_auto_k_is_lossless(dname, temp):
+    model = tiny.llama_model(seed=4)
+    drafter = (mlx_spec.NGramDrafter(min_n=1) if dname == "ngram"
+               else mlx_spec.DraftModelDrafter(tiny.llama_model(seed=4, layers=1)))
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=40,
+                                        num_draft_tokens="auto", temp=temp, seed=0, trace=True))
+    s = out[-1].stats
+    assert all(0 <= t.k <= 16 and t.expected_gain is not None for t in s.trace)
+    if temp == 0.0:
+        want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+        assert [r.token for r in out] == want
+    else:
+        assert all(0 <= r.token < tiny.VOCAB for r in out) and len(out) == 40
