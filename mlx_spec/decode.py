@@ -60,6 +60,7 @@ class Verifier:
         self.model, self.cache, self.sampling = model, cache, sampling
         self.taps = Taps(model, tap_ids) if tap_ids else None
         self.consumed = 0  # tokens the target's cache holds from this call
+        self.sync_seconds = 0.0  # time spent waiting for MLX to evaluate the steps
         self._last: tuple[Checkpoint, list[int]] | None = None
 
     def _read_taps(self, keep: int) -> dict | None:
@@ -89,7 +90,9 @@ class Verifier:
             logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
             n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
             out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
+            tic = time.perf_counter()
             *proposed, nxt, n = out.tolist()  # the one host sync of the step
+            self.sync_seconds += time.perf_counter() - tic
         except BaseException:
             ckpt.keep([], fed)  # leave the cache as it was before the step
             raise
@@ -188,6 +191,8 @@ def _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens
             stats.observe(v.proposed, v.n, trace, k, gain)
             if drafter is not None:
                 drafter.commit([y] + v.proposed[: v.n], v.taps)
+            stats.step_seconds += time.perf_counter() - t0
+            stats.sync_seconds = verifier.sync_seconds
             block, y = [(t, i < v.n) for i, t in enumerate(v.emitted)], v.token
     finally:
         verifier.close()

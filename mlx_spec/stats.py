@@ -25,6 +25,8 @@ class SpecStats:
     target_forwards: int = 0  # verify forwards after the prefill
     drafted: int = 0
     accepted: int = 0
+    step_seconds: float = 0.0  # wall time of the verify steps (propose .. commit)
+    sync_seconds: float = 0.0  # of which spent waiting for MLX to evaluate the step's graph
     chosen_k: list[int] = field(default_factory=list)  # draft length chosen at each verify step
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
@@ -59,6 +61,11 @@ class SpecStats:
         """Tokens emitted per verify forward: mean(n + 1)."""
         f = self.target_forwards
         return (self.accepted + f) / f if f else 0.0
+
+    @property
+    def host_overhead(self) -> float:
+        """Share of the step time spent in Python (building graphs, bookkeeping)."""
+        return 1 - self.sync_seconds / self.step_seconds if self.step_seconds else 0.0
 
     @property
     def accepted_per_position(self) -> list[float]:
