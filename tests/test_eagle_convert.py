@@ -154,7 +154,7 @@ def test_quantized_head_loads_and_drafts(tmp_path, tgt, target, bits):
     drafter = mlx_spec.load_drafter(tmp_path / "out", target)
     assert time.perf_counter() - t0 < 1.0  # "loads in a second"
     assert isinstance(drafter.head.fc, nn.QuantizedLinear)
-    text = mlx_spec.generate(target, tiny.tokenizer(), [1, 2, 3], drafter, max_tokens=6)
+    text = mlx_spec.generate(target, tiny.tokenizer(), [1, 2, 3], drafter, max_tokens=6, num_draft_tokens=3)
     assert len(text.split()) == 6
 
 

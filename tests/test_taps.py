@@ -185,14 +185,14 @@ class _Probe:
 def test_no_taps_installed_unless_a_drafter_asks():
     model, tok = tiny.llama_model(layers=2), tiny.tokenizer()
     probe = _Probe()
-    list(stream_generate(model, tok, [1, 2, 3], probe, max_tokens=4))
+    list(stream_generate(model, tok, [1, 2, 3], probe, max_tokens=4, num_draft_tokens=2))
     assert probe.seen and not any(probe.seen)
     assert all(t is None for t in probe.received)
     assert tuple(NGramDrafter().taps) == ()  # the loop installs taps only for a drafter's ids
     assert Verifier(model, make_cache(model), Sampling(), ()).taps is None
 
     asking = _Probe(taps=(1, FINAL_NORM))
-    list(stream_generate(model, tok, [1, 2, 3], asking, max_tokens=4))
+    list(stream_generate(model, tok, [1, 2, 3], asking, max_tokens=4, num_draft_tokens=2))
     assert all(asking.seen)  # installed during generation...
     assert not any(isinstance(m, _Recorder) for m in [*model.model.layers, model.model.norm])  # ...and gone after
     prompt_taps, *step_taps = asking.received

@@ -115,6 +115,8 @@ class EagleDrafter:
         k = min(k, self.max_draft)
         if k <= 0:
             return EMPTY
+        if self._feats is None:
+            raise ValueError("propose() called again before commit(): the drafter has no committed features")
         toks = mx.array(self._toks + [int(y)], mx.uint32)
         feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
         self._feats, self._toks, self._y_fed = None, [], True
