@@ -44,7 +44,7 @@ def resolve_source(src: str | Path) -> Path:
         raise ConversionError(f"no folder at {src} (and it is not a Hugging Face repo id 'org/name')")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt"]
+    patterns = ["*.json", "*.safetensors", "pytorch_model*.bin"]
     return Path(snapshot_download(str(src), allow_patterns=patterns))
 
 
@@ -60,13 +60,14 @@ def read_tensors(folder: Path) -> dict:
     import mlx.core as mx
 
     folder = Path(folder)
-    files = sorted(folder.glob("*.safetensors"))
+    files = _weight_files(folder, "model.safetensors.index.json", "*.safetensors")
     if files:
         weights = {}
         for f in files:
             weights.update(mx.load(str(f)))
         return weights
-    bins = sorted(folder.glob("*.bin"))
+    # Only the model's own .bin files: training_args.bin and optimizer states are not weights.
+    bins = _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
     if bins:
         from .torch_bin import load_torch_bin
 
@@ -75,6 +76,18 @@ def read_tensors(folder: Path) -> dict:
             weights.update(load_torch_bin(f))
         return weights
     raise ConversionError(f"{folder} has no *.safetensors or *.bin weights")
+
+
+def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
+    """The shards a sharded checkpoint's index lists, else every file matching `pattern`."""
+    index = folder / index_name
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ConversionError(f"{folder}: shard(s) {missing[:3]} listed in {index_name} are missing")
+        return [folder / s for s in shards]
+    return sorted(folder.glob(pattern))
 
 
 def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:

@@ -76,23 +76,21 @@ class Taps:
         n = len(layers)
         self._installed: list[tuple[object, object, object]] = []  # (owner, key, original)
         self._where: dict[object, tuple[_Recorder, str]] = {}
-        for tid in self.ids:
-            if tid == FINAL_NORM:
-                if not hasattr(self.stack, "norm"):
-                    raise ValueError(f"{type(model).__name__} has no final norm to tap")
-                rec = self._wrap(self.stack, "norm", attr=True, keep_output=True)
-                self._where[tid] = (rec, "out")
-            elif tid == EMBED:
-                rec = self._wrap(layers, 0, attr=False, keep_input=True)
-                self._where[tid] = (rec, "inp")
-            elif isinstance(tid, int) and 0 <= tid < n:
-                rec = self._wrap(layers, tid, attr=False, keep_output=True)
-                self._where[tid] = (rec, "out")
-            else:
+        for tid in self.ids:  # all ids are checked before anything is wrapped
+            if tid == FINAL_NORM and not hasattr(self.stack, "norm"):
+                raise ValueError(f"{type(model).__name__} has no final norm to tap")
+            if tid not in (FINAL_NORM, EMBED) and not (isinstance(tid, int) and 0 <= tid < n):
                 raise ValueError(
                     f"tap {tid!r} is out of range: this target has {n} decoder layers "
                     f"(valid: 0..{n - 1}, {EMBED!r}, {FINAL_NORM!r})"
                 )
+        for tid in self.ids:
+            if tid == FINAL_NORM:
+                self._where[tid] = (self._wrap(self.stack, "norm", attr=True, keep_output=True), "out")
+            elif tid == EMBED:
+                self._where[tid] = (self._wrap(layers, 0, attr=False, keep_input=True), "inp")
+            else:
+                self._where[tid] = (self._wrap(layers, tid, attr=False, keep_output=True), "out")
 
     def _wrap(self, owner, key, attr: bool, keep_input=False, keep_output=False) -> _Recorder:
         current = getattr(owner, key) if attr else owner[key]

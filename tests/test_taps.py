@@ -148,14 +148,12 @@ def test_layer_k_is_the_output_of_decoder_layer_k():
     np.testing.assert_allclose(np.array(got[EMBED]), np.array(hidden_states[0]), atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="core bug: Taps.__init__ validates ids while wrapping, so an "
-                   "out-of-range id leaves the earlier recorders installed (reported to the core owner)")
 def test_bad_tap_ids_are_refused_before_anything_is_installed():
     model = tiny.llama_model(layers=2)
     originals = list(model.model.layers)
     with pytest.raises(ValueError, match="out of range: this target has 2 decoder layers"):
         Taps(model, (0, 2))
-    # the valid id before the bad one was wrapped; the error path must not leave it behind
+    # nothing may be left wrapped, not even the valid id before the bad one
     assert all(a is b for a, b in zip(model.model.layers, originals))
 
 
