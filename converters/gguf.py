@@ -251,7 +251,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
 
 
+def exit_on_sigterm() -> None:
+    """Make a kill (SIGTERM) unwind like Ctrl-C, so work folders are removed on the way out."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def run(args: argparse.Namespace) -> int:
+    exit_on_sigterm()
     try:
         path = convert(
             args.src,

@@ -307,6 +307,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from converters.gguf import exit_on_sigterm
+
+    exit_on_sigterm()
     try:
         path = fetch(args.name, dtype=args.dtype, cache_dir=args.cache_dir)
     except (ZooError, OSError) as e:  # OSError: disk full, cache not writable...
