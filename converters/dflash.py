@@ -70,7 +70,8 @@ def read_target(target_folder) -> dict:
             "target's embeddings, LM head and hidden states); give the target's folder"
         )
     config = read_config(Path(target_folder).expanduser())
-    text = {**config, **config.get("text_config", {})}
+    # text fields may be nested (multimodal checkpoints); mlx-lm picks the class by the top-level type
+    text = {**config, **config.get("text_config", {}), "model_type": config.get("model_type")}
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if not isinstance(text.get(key), int):
             raise ConversionError(f"--target {target_folder}: config.json has no {key}")
@@ -195,7 +196,7 @@ def check_block(block_size, mask_id, target: dict) -> None:
 
 def muse_logits(target: dict) -> tuple[float, float | None]:
     """The Muse Glimmer target's logit multiplier and softcap, as mlx-lm resolves them."""
-    if target.get("model_type") != "muse_glimmer":
+    if target.get("model_type") != "muse_glimmer":  # mlx-lm's class for the Glimmer text tower
         raise ConversionError(
             f"the Muse Glimmer assistant drafts for Muse Glimmer targets; --target is a "
             f"{target.get('model_type')!r} model"

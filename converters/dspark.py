@@ -92,6 +92,9 @@ def drop_copies(out: dict, target_weights: dict) -> None:
 
 def build(cfg: dict, weights: dict, target: dict, target_weights: dict | None = None) -> tuple[dict, dict]:
     """(head config, head weights); raises before any work on a mismatch."""
+    if any("Gemma" in a for a in cfg.get("architectures") or []):
+        raise ConversionError("Gemma-4 DSpark heads (Gemma4DSparkModel) are not supported; "
+                              "only the Qwen3 layout (Qwen3DSparkModel) is")
     n_layers, n_target, V = cfg.get("num_hidden_layers"), target["num_hidden_layers"], target["vocab_size"]
     ids = cfg.get("target_layer_ids")
     if not ids:
