@@ -133,17 +133,21 @@ def test_sampled_output_has_the_hybrid_targets_distribution(root, name):
 
 # ---- rollback property ------------------------------------------------------
 
-def assert_same_cache(got, want, tol=3e-5):
-    """Equal states, up to float32 rounding (batched vs per-token matmuls round differently)."""
+def assert_same_cache(got, want, tol=5e-5):
+    """Equal states up to float32 rounding: batched and per-token matmuls round
+    differently (OpenBLAS more than the reference BLAS), so `tol` is relative to
+    each tensor's largest entry; a real rollback bug differs by O(1)."""
     for i, (a, b) in enumerate(zip(got, want)):
         assert type(a) is type(b), f"layer {i}"
         if isinstance(a, ArraysCache):  # conv state, recurrent state
-            for x, y in zip(a.cache, b.cache):
-                np.testing.assert_allclose(np.array(x), np.array(y), rtol=3 * tol, atol=tol, err_msg=f"layer {i}")
+            pairs = zip(a.cache, b.cache)
         else:
             assert a.offset == b.offset, f"layer {i}"
-            for x, y in zip(a.keys_and_values(), b.keys_and_values()):  # up to the offset
-                np.testing.assert_allclose(np.array(x), np.array(y), rtol=3 * tol, atol=tol, err_msg=f"layer {i}")
+            pairs = zip(a.keys_and_values(), b.keys_and_values())  # up to the offset
+        for x, y in pairs:
+            y = np.array(y)
+            np.testing.assert_allclose(np.array(x), y, rtol=0, atol=tol * max(1.0, np.abs(y).max()),
+                                       err_msg=f"layer {i}")
 
 
 def greedy_continuation(model, tokens, n):
@@ -176,7 +180,7 @@ def test_verifier_rollback_on_a_hybrid_target_equals_a_fresh_cache(blocks, promp
     model(mx.array(committed[:-1])[None], cache=fresh)
     assert_same_cache(cache, fresh)
     got, want = model(mx.array([[y]]), cache=cache), model(mx.array([[y]]), cache=fresh)
-    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=3e-5 * float(mx.abs(want).max()))
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=5e-5 * float(mx.abs(want).max()))
 
 
 def _tiny_hybrid():
