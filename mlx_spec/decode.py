@@ -88,14 +88,16 @@ class Verifier:
         try:
             inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
             logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
-            n, nxt = accept(logits, draft.tokens, draft.q, self.sampling)
-            out = mx.concatenate([draft.tokens, mx.stack([nxt, n]).astype(mx.uint32)])
+            n, nxt = accept(logits, draft.tokens, draft.q, self.sampling, draft.length)
+            length = mx.array(draft.size) if draft.length is None else draft.length
+            tail = mx.stack([nxt, n, length]).astype(mx.uint32)
             tic = time.perf_counter()
-            *proposed, nxt, n = out.tolist()  # the one host sync of the step
+            *proposed, nxt, n, length = mx.concatenate([draft.tokens, tail]).tolist()  # the one sync
             self.sync_seconds += time.perf_counter() - tic
         except BaseException:
             ckpt.keep([], fed)  # leave the cache as it was before the step
             raise
+        proposed = proposed[:length]  # a confidence cut verifies only this prefix
         kept = [y] + proposed[:n]
         ckpt.keep(kept, fed)
         self._last, self.consumed = (ckpt, kept), self.consumed + len(kept)

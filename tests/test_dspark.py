@@ -15,7 +15,9 @@ import tiny
 from converters import dspark as conv
 from converters import head as head_cli
 from converters.common import ConversionError
-from mlx_spec.drafters.dspark import BlockDraft, confidence_length, masked_accept
+from mlx_spec.acceptance import accept as masked_accept
+from mlx_spec.drafters.base import Draft
+from mlx_spec.drafters.dspark import confidence_length
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
 
@@ -231,7 +233,7 @@ def test_masked_cut_returns_the_whole_block_and_a_lazy_length(tmp_path):
     taps = S.target_taps(model, PROMPT, d.taps)
     d.prefill(PROMPT, mx_taps(taps, 0, len(PROMPT)))
     draft = d.propose(3, 7, Sampling())
-    assert isinstance(draft, BlockDraft) and draft.size == 7
+    assert isinstance(draft, Draft) and draft.length is not None and draft.size == 7
     _, _, conf = reference(w).dspark_chain(S.concat_taps(taps, d.taps), 3, *target_arrays(model), 7)
     a = np.cumprod(conf)
     assert int(draft.length.item()) == (int(np.argmin(a >= 0.55)) if (a < 0.55).any() else 7)

@@ -32,6 +32,7 @@ class Draft:
 
     tokens: mx.array  # [k] token ids; may still be lazy
     q: mx.array | None = None  # [k, V] draft probabilities; None = point mass
+    length: mx.array | None = None  # lazy count of leading tokens to verify (None: all k)
 
     @property
     def size(self) -> int:

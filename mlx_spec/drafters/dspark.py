@@ -26,12 +26,11 @@ its acceptance. For target probabilities p_0 .. p_k, drafts d_0 .. d_(k-1):
     greedy: n = min(n_greedy, L), next = argmax p_n
 
 Row L of the verify forward saw only [y, d_<L], so this is exactly rejection
-sampling of the L-token draft. `masked_accept` below implements it; the core's
-`accept` does not take `length` yet (see docs/dflash.md for the change), and
-until it does the length is ignored and all k tokens are verified (still
-lossless, just no cut). `cut="sync"` instead reads L on the host inside
-propose (one extra host sync per step) and returns only L tokens, so the
-verify forward really shrinks.
+sampling of the L-token draft; the core's `mlx_spec.acceptance.accept` does it
+for any `Draft.length`. With `cut="mask"` the whole block is still verified
+(the cut lowers nothing but the accepted count); `cut="sync"` instead reads L on
+the host inside propose (one extra host sync per step) and returns only L
+tokens, so the verify forward really shrinks.
 
 Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies,
 DeepSeek-V4's in-checkpoint DSpark stages (see `probe_target`).
@@ -55,13 +54,6 @@ from ..taps import decoder_stack
 
 CUTS = ("mask", "sync")
 EXTRA_PREFIXES = ("embed_tokens.", "lm_head.", "markov_head.", "confidence_head.")
-
-
-@dataclass(frozen=True)
-class BlockDraft(Draft):
-    """A draft with a lazy count of leading tokens to verify (None: all of them)."""
-
-    length: mx.array | None = None
 
 
 @dataclass(frozen=True)
@@ -117,32 +109,6 @@ def confidence_length(conf: mx.array, threshold: float) -> mx.array:
     return mx.cumprod(mx.cumprod(conf) >= threshold).sum()
 
 
-def masked_accept(logits: mx.array, draft: mx.array, q: mx.array | None,
-                  sampling: Sampling, length: mx.array) -> tuple[mx.array, mx.array]:
-    """Acceptance that verifies only the first `length` drafts (module docstring); lazy.
-
-    logits [k+1, V], draft [k], q [k, V] or None, length scalar <= k -> (n, next token).
-    """
-    k = draft.shape[0]
-    if sampling.greedy:
-        target = mx.argmax(logits, axis=-1)  # [k+1]
-        n = mx.minimum(mx.cumprod(target[:k] == draft).sum(), length)
-        return n, target[n]
-    p = sampling.probs(logits)  # [k+1, V]
-    rows = mx.arange(k)
-    p_d = p[rows, draft]
-    if q is None:  # point mass: residual = p with d_i removed
-        q_d = mx.ones_like(p_d)
-        residual = p[:k] * (mx.arange(p.shape[-1])[None] != draft[:, None])
-    else:
-        q_d, residual = q[rows, draft], mx.maximum(p[:k] - q, 0)
-    accepted = (mx.random.uniform(shape=(k,)) * q_d < p_d) & (rows < length)
-    n = mx.cumprod(accepted).sum()
-    row = mx.where(n >= length, p[n], mx.concatenate([residual, p[k:]])[n])
-    row = mx.where(row.sum() > 0, row, p[n])  # rounding when p == q
-    return n, mx.random.categorical(mx.log(row))
-
-
 class DSparkDrafter:
     """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
 
@@ -160,7 +126,8 @@ class DSparkDrafter:
         """Verify only the prefix whose running confidence product stays >= the threshold.
 
         None verifies the whole block. `cut="mask"` keeps propose lazy (needs the
-        core to honour `BlockDraft.length`); `cut="sync"` reads the length on the host.
+        whole block verified, `Draft.length` cuts acceptance); `cut="sync"` reads the length
+        on the host.
         """
         if cut not in CUTS:
             raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
@@ -234,7 +201,7 @@ class DSparkDrafter:
             return Draft(tokens, q)
         length = confidence_length(conf.astype(mx.float32), self.threshold)
         if self.cut == "mask":
-            return BlockDraft(tokens, q, length)
+            return Draft(tokens, q, length)
         n = int(length.item())  # cut="sync": the one extra host sync, by request
         return Draft(tokens[:n], None if q is None else q[:n])
 
