@@ -11,7 +11,9 @@ Before each step the policy picks k in 0..k_max maximising
   model, dtype and device), corrected online by the step times observed at
   each n;
 * `D(k)`: the drafter's time to propose k tokens (zero for n-gram; k single-
-  token forwards of a draft model, measured the same way).
+  token forwards of a draft model, measured the same way);
+* on targets with recurrent layers, the expected replay after a rejection
+  (`mlx_spec.cache.Checkpoint`): sum_j P(n = j) V(j + 1).
 
 k = 0 ("park") is plain decoding, chosen when no draft length pays; while
 parked the policy probes with a short draft now and then (at growing
@@ -57,6 +59,7 @@ class AdaptiveK:
     k_max: int
     accept: list[float] = field(default_factory=list)  # a_i
     seen: list[int] = field(default_factory=list)  # observations at position i
+    replays: bool = False  # recurrent target: a rejection costs a forward over the kept tokens
     correction: dict[int, float] = field(default_factory=dict)  # k -> observed / calibrated time
     parked: int = 0
     probe_every: int = PROBE_FIRST
@@ -74,7 +77,13 @@ class AdaptiveK:
         return total
 
     def seconds(self, k: int) -> float:
-        return self.costs.step_seconds(k) * self.correction.get(k, 1.0)
+        base = self.costs.step_seconds(k)
+        if self.replays:
+            survive = 1.0
+            for j in range(k):  # P(n = j) * V(j + 1): rejected at position j, j + 1 kept
+                base += survive * (1 - self.accept[j]) * self.costs.verify[j]
+                survive *= self.accept[j]
+        return base * self.correction.get(k, 1.0)
 
     def rates(self) -> list[float]:
         """Expected tokens per second for k = 0..k_max."""
@@ -201,9 +210,10 @@ def calibrate(model) -> list[float]:
     return verify_seconds(model, recalibrate=True)
 
 
-def policy_for(model, drafter, k_max: int, recalibrate: bool = False) -> AdaptiveK:
-    """The adaptive policy for this target and drafter."""
+def policy_for(model, drafter, k_max: int, replays: bool = False,
+               recalibrate: bool = False) -> AdaptiveK:
+    """The adaptive policy for this target and drafter (`replays`: recurrent target)."""
     verify = verify_seconds(model, recalibrate=recalibrate)
     draft_model = getattr(drafter, "model", None)
     per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
-    return AdaptiveK(CostModel(verify, per_token), k_max)
+    return AdaptiveK(CostModel(verify, per_token), k_max, replays=replays)

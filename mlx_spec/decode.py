@@ -16,7 +16,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .acceptance import accept
-from .cache import MAX_DRAFT, Checkpoint, prepare_cache
+from .cache import MAX_DRAFT, Checkpoint, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft, Drafter
 from .sampling import Sampling
 from .stats import SpecStats
@@ -151,7 +151,7 @@ def stream_generate(
     cache = prepare_cache(model, prompt_cache)
     if drafter is not None:
         drafter.bind(model, tokenizer)
-    lengths = _draft_lengths(model, drafter, num_draft_tokens)
+    lengths = _draft_lengths(model, drafter, num_draft_tokens, is_recurrent(cache))
     return _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens, seed, trace)
 
 
@@ -255,12 +255,12 @@ class FixedK:
         pass
 
 
-def _draft_lengths(model, drafter, num_draft_tokens):
+def _draft_lengths(model, drafter, num_draft_tokens, recurrent: bool):
     if drafter is None:
         return FixedK(0)
     k_max = min(drafter.max_draft, MAX_DRAFT)
     if num_draft_tokens == "auto":
         from .adaptive import policy_for
 
-        return policy_for(model, drafter, k_max)
+        return policy_for(model, drafter, k_max, replays=recurrent)
     return FixedK(min(num_draft_tokens, k_max))

@@ -63,6 +63,17 @@ def resolve_model(name: str) -> str:
     return str(zoo.fetch(name)) if name in zoo.MODELS else name
 
 
+def _local_folder(model_path: str) -> str:
+    """The local folder of a model given by path or Hugging Face repo id (already downloaded)."""
+    from pathlib import Path
+
+    if Path(model_path).expanduser().is_dir():
+        return model_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
+
+
 def make_drafter(args, model, model_path: str):
     import mlx_spec
 
@@ -74,8 +85,8 @@ def make_drafter(args, model, model_path: str):
         return None
     if kind == "ngram":
         return mlx_spec.NGramDrafter()
-    if kind in ("mtp", "dspark"):
-        return mlx_spec.load_drafter(model_path, model, kind=kind)
+    if kind in ("mtp", "dspark"):  # weights inside the target checkpoint
+        return mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
     from pathlib import Path
 
     if Path(kind).expanduser().is_dir():

@@ -131,3 +131,13 @@ def test_auto_k_is_lossless(dname, temp):
         assert [r.token for r in out] == want
     else:
         assert all(0 <= r.token < tiny.VOCAB for r in out) and len(out) == 40
+
+
+def test_recurrent_targets_pay_for_replays_so_k_shrinks():
+    plain = AdaptiveK(linear_costs(0.05), k_max=16)
+    hybrid = AdaptiveK(linear_costs(0.05), k_max=16, replays=True)
+    for policy in (plain, hybrid):
+        policy.accept = [0.7] * 16  # rejections happen: the hybrid replays the kept tokens
+    assert hybrid.seconds(8) > plain.seconds(8)
+    assert hybrid.seconds(0) == plain.seconds(0)
+    assert hybrid.choose()[0] <= plain.choose()[0]
