@@ -13,10 +13,14 @@ import sys
 from pathlib import Path
 
 # format name -> converter module (checked in this order by --format auto)
-FORMATS: dict[str, str] = {}
-FORMATS.update(dspark="converters.dspark", dflash="converters.dflash")  # DSpark, DFlash block drafters
-FORMATS["mtp"] = "converters.mtp"  # MTP modules inside target checkpoints
-FORMATS.update(eagle3="converters.eagle.v3", eagle="converters.eagle.v1")  # EAGLE heads
+# (DSpark before DFlash: a DSpark head is a DFlash backbone plus its own heads.)
+FORMATS: dict[str, str] = {
+    "dspark": "converters.dspark",
+    "dflash": "converters.dflash",
+    "mtp": "converters.mtp",  # MTP modules inside target checkpoints
+    "eagle3": "converters.eagle.v3",
+    "eagle": "converters.eagle.v1",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,20 +21,25 @@ import importlib
 import json
 from pathlib import Path
 
-# kind -> "module:function(folder, config, model) -> Drafter"
-LOADERS: dict[str, str] = {}
-LOADERS["mtp"] = "mlx_spec.drafters.mtp:load_head_folder"  # extracted MTP heads
-LOADERS.update(dflash="mlx_spec.drafters.dflash:load", dspark="mlx_spec.drafters.dspark:load")  # block drafters
-LOADERS.update(eagle="mlx_spec.drafters.eagle:load", eagle3="mlx_spec.drafters.eagle:load")
-# kind -> "module:function(folder, config, model) -> Drafter | None" for target folders
-TARGET_PROBES: dict[str, str] = {}
-TARGET_PROBES["mtp"] = "mlx_spec.drafters.mtp:probe"  # MTP modules inside target checkpoints
-TARGET_PROBES["dspark"] = "mlx_spec.drafters.dspark:probe_target"  # refuses DeepSeek-V4 in-checkpoint DSpark
+# kind -> "module:function(folder, config, model, **options) -> Drafter"
+LOADERS: dict[str, str] = {
+    "eagle": "mlx_spec.drafters.eagle:load",
+    "eagle3": "mlx_spec.drafters.eagle:load",
+    "mtp": "mlx_spec.drafters.mtp:load_head_folder",  # MTP heads extracted by convert head
+    "dflash": "mlx_spec.drafters.dflash:load",
+    "dspark": "mlx_spec.drafters.dspark:load",
+}
+# kind -> "module:function(folder, config, model, **options) -> Drafter | None" for target
+# checkpoints that carry drafter weights; None when the folder has none of that kind.
+TARGET_PROBES: dict[str, str] = {
+    "mtp": "mlx_spec.drafters.mtp:probe",
+    "dspark": "mlx_spec.drafters.dspark:probe_target",  # refuses DeepSeek-V4's in-checkpoint DSpark
+}
 
 
-def _call(spec: str, *args):
+def _call(spec: str, *args, **options):
     module, func = spec.split(":")
-    return getattr(importlib.import_module(module), func)(*args)
+    return getattr(importlib.import_module(module), func)(*args, **options)
 
 
 def read_head_config(folder: Path) -> dict:
@@ -62,12 +67,13 @@ def check_target(head: dict, model, where: str) -> None:
         )
 
 
-def load_drafter(path: str | Path, model, kind: str | None = None):
+def load_drafter(path: str | Path, model, kind: str | None = None, **options):
     """The drafter a folder describes, for `model` (the target).
 
     `path` is a converted head folder, or a target checkpoint folder that
     carries drafter weights (e.g. MTP layers); `kind` ("mtp", "dspark", ...)
-    insists on one kind of drafter.
+    insists on one kind of drafter. `options` go to that kind's loader (e.g.
+    DSpark's `confidence_threshold`).
     """
     folder = Path(path).expanduser()
     config = read_head_config(folder)
@@ -82,10 +88,10 @@ def load_drafter(path: str | Path, model, kind: str | None = None):
         if kind is not None and found != kind:
             raise ValueError(f"{folder} holds a {found} head, not {kind}")
         check_target(config, model, str(folder))
-        return _call(LOADERS[found], folder, config, model)
+        return _call(LOADERS[found], folder, config, model, **options)
     for name, probe in TARGET_PROBES.items():
         if kind in (None, name):
-            drafter = _call(probe, folder, config, model)
+            drafter = _call(probe, folder, config, model, **options)
             if drafter is not None:
                 return drafter
     wanted = f"{kind} weights" if kind else "drafter weights"
