@@ -85,7 +85,7 @@ def test_drafts_are_actually_accepted_and_rejected_in_this_setup():
     assert 0.15 < s.acceptance_rate < 0.9
 
 
-def resample_from_p(logits, draft, q, sampling):
+def resample_from_p(logits, draft, q, sampling, length=None):
     """Wrong: the right acceptance test, but a rejection redraws from p, not max(p - q, 0)."""
     p = sampling.probs(logits)
     k = draft.shape[0]

@@ -16,7 +16,7 @@ drafters ask for nothing and get None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
@@ -57,6 +57,36 @@ class Drafter(Protocol):
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         """The target consumed and kept `tokens` (`[y, accepted drafts...]`)."""
+
+
+def pick(logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:
+    """One draft token from logits [V]: argmax when greedy, else a draw from q (returned)."""
+    if sampling.greedy:
+        return mx.argmax(logits), None
+    q = sampling.probs(logits)
+    return mx.random.categorical(mx.log(q)), q
+
+
+def chain(
+    logits: mx.array,
+    k: int,
+    sampling: Sampling,
+    step: Callable[[mx.array], mx.array],
+    choose: Callable = pick,
+) -> Draft:
+    """k chained draft steps, all lazy: take a token from `logits`, then `logits = step(token)`.
+
+    `choose(logits, sampling) -> (token id, q over the target vocabulary | None)`.
+    """
+    tokens, qs = [], []
+    for i in range(k):
+        t, q = choose(logits, sampling)
+        tokens.append(t)
+        if q is not None:
+            qs.append(q)
+        if i < k - 1:
+            logits = step(t.reshape(1).astype(mx.uint32))
+    return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
 
 
 def vocab_size(model) -> int:

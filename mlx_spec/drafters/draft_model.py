@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ..cache import Checkpoint, make_cache
 from ..sampling import Sampling
-from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from .base import MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
 
 PREFILL_CHUNK = 512
 
@@ -69,19 +69,8 @@ class DraftModelDrafter:
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
-        tokens, qs = [], []
-        for i in range(k):
-            if sampling.greedy:
-                t = mx.argmax(logits)
-            else:
-                q = sampling.probs(logits)
-                t = mx.random.categorical(mx.log(q))
-                qs.append(q)
-            tokens.append(t)
-            if i < k - 1:
-                logits = self._logits(t.reshape(1).astype(mx.uint32))
         self._pending, self._k = [], k
-        return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+        return chain(logits, k, sampling, self._logits)
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         tokens = list(tokens)

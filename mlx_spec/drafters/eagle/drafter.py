@@ -30,7 +30,7 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import EMBED, FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, vocab_size
+from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
 
 PREFILL_CHUNK = 512
 
@@ -120,18 +120,15 @@ class EagleDrafter:
         toks = mx.array(self._toks + [int(y)], mx.uint32)
         feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
         self._feats, self._toks, self._y_fed = None, [], True
-        feat, last = feat[:, -1:], out[0, -1]  # [1, 1, H], [H]
-        tokens, qs = [], []
-        for i in range(k):
-            t, q = self._pick(self._lm(last), sampling)
-            tokens.append(t)
-            if q is not None:
-                qs.append(q)
-            if i < k - 1:  # chain: the head's own feature and token at the next position
-                feat, out = self.head(self._embed(t.reshape(1, 1)), feat, self.cache)
-                last = out[0, -1]
+        feat = feat[:, -1:]  # [1, 1, H]
+
+        def step(t: mx.array) -> mx.array:  # chain: the head's own feature at the next position
+            nonlocal feat
+            feat, out = self.head(self._embed(t[None]), feat, self.cache)
+            return self._lm(out[0, -1])
+
         self._chained = k - 1
-        return Draft(mx.stack(tokens), mx.stack(qs) if qs else None)
+        return chain(self._lm(out[0, -1]), k, sampling, step, self._pick)
 
     def _pick(self, logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:
         """Draft token (a target id) from head logits [V'], and q [V_target] when sampling."""

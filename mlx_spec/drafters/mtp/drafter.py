@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, vocab_size
+from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
 from .head import MTPConfig, MTPHead
 
 PREFILL_CHUNK = 512
@@ -86,20 +86,14 @@ class MTPDrafter:
         logits, fed = self._run(hidden, mx.array(self._tokens + [int(y)], mx.uint32))
         logits, fed = logits[-1], fed[-1:]  # [V], [1, H]: the committed prefix is fed
         self._hidden, self._tokens = [], []
-        tokens, qs = [], []
-        for i in range(k):
-            if sampling.greedy:
-                t = mx.argmax(logits)
-            else:
-                q = sampling.probs(logits)
-                t = mx.random.categorical(mx.log(q))
-                qs.append(q)
-            tokens.append(t)
-            if i < k - 1:  # chain: the module's own output stands in for h
-                step_logits, fed = self._run(fed, t.reshape(1).astype(mx.uint32))
-                logits = step_logits[-1]
+
+        def step(t: mx.array) -> mx.array:  # chain: the module's own output stands in for h
+            nonlocal fed
+            step_logits, fed = self._run(fed, t)
+            return step_logits[-1]
+
         self._drafted = k - 1
-        return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+        return chain(logits, k, sampling, step)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         rows = taps[self.taps[0]]  # [n + 1, H] at the kept inputs [y, d0 .. d(n-1)]
