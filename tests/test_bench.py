@@ -8,6 +8,7 @@ real /proc/self/maps lines, and the data files (suites, claims) are complete.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -48,6 +49,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     assert result["config"]["suites"] == suites.suite_names()
     assert result["config"]["methods"] == ["baseline", "mlx-spec", "mlx-lm-draft@2",
                                            "mlx-lm-draft@3", "ngram@3", "draft@3"]
+    assert "mlx-lm-draft@auto: not supported by mlx-lm" not in result["skipped"]
     assert len(result["runs"]) == 6 * len(suites.suite_names())  # 1 prompt per suite, 1 repeat
     assert len(result["verify_cost"]["relative"]) == 16
     for label, per in result["summary"].items():
@@ -60,12 +62,16 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     assert {"cpu", "memory_gb", "mlx_version", "mlx_device", "blas"} <= set(result["hardware"])
 
 
-def test_preset_without_its_drafter_exits_nonzero_and_says_what_is_missing(capsys):
+def test_preset_says_what_is_missing_and_exits_nonzero(capsys, monkeypatch):
     rc = cli.main(["bench", "--preset", "muse-glimmer-dflash"])
     err = capsys.readouterr().err
     assert rc != 0
-    assert "dflash drafter is not implemented" in err
-    assert "Muse-Glimmer-30B-assistant" in err
+    assert "Muse-Glimmer-30B-assistant" in err and "--drafter" in err
+    # A preset whose drafter kind this mlx-spec lacks names that too.
+    gone = dataclasses.replace(methods.METHODS["dflash"], unavailable=lambda: "no dflash here")
+    monkeypatch.setitem(methods.METHODS, "dflash", gone)
+    assert cli.main(["bench", "--preset", "muse-glimmer-dflash"]) != 0
+    assert "no dflash here" in capsys.readouterr().err
 
 
 def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys):
@@ -197,6 +203,12 @@ def test_blas_detection_from_proc_maps():
     assert hardware.detect_blas("")["name"] == "none found"
 
 
+def test_busy_machine_warning():
+    assert hardware.busy_warning([1.9, 2.4], 2) is None
+    assert "busy" in hardware.busy_warning([2.0, 9.3], 2)
+    assert hardware.busy_warning([None], 2) is None
+
+
 def test_hardware_info_has_the_documented_fields():
     info = hardware.hardware_info()
     assert info["mlx_version"] and info["mlx_device"]
@@ -239,6 +251,19 @@ def test_claims_file_and_presets():
     for p in claims.PRESETS.values():
         assert set(p.claims) <= ids, p.name
         assert set(p.methods) <= set(methods.METHODS), p.name
+
+
+def test_claims_compare_beside_this_run():
+    result = {"summary": {"baseline": {"all": {"speedup": 1.0}},
+                          "draft@4": {"all": {"speedup": 1.5}}, "draft@2": {"all": {"speedup": 1.3}}},
+              "hardware": {"cpu": "Apple M4 Max", "gpu": None, "platform": "Darwin arm64"},
+              "hardware_line": "here"}
+    rows = claims.compare(result, [
+        {"id": "a", "hardware": "Apple M4 Max", "compare_with": ["draft", "mlx-lm-draft"]},
+        {"id": "b", "hardware": "x", "compare_with": "dflash", "match": {"platform": "Linux x86_64"}},
+    ])
+    assert rows[0]["measured"] == [("draft@4", 1.5)] and rows[0]["same_hardware"]
+    assert rows[1]["measured"] == [] and not rows[1]["same_hardware"]
 
 
 # --- method table, cost curve, chart ------------------------------------------

@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
         "speculative decoding against mlx-spec's draft-model and n-gram drafters",
         Need("target", "qwen2.5-coder-1.5b-instruct", _ZOO_HOW.format(name="qwen2.5-coder-1.5b-instruct")),
         Need("draft model", "qwen2.5-coder-0.5b-instruct", _ZOO_HOW.format(name="qwen2.5-coder-0.5b-instruct")),
-        methods=("baseline", "mlx-lm-draft", "draft", "ngram"), ks=(2, 4)),
+        methods=("baseline", "mlx-lm-draft", "draft", "ngram"), ks=(2, 4, "auto")),
     "mlx-lm-m3max": Preset(
         "mlx-lm-m3max", ("mlx-lm-draft-m3max", "mlx-lm-draft-m2ultra"),
         "mlx-lm's 1.82x on M3 Max: Qwen2.5-32B 4-bit target, Qwen2.5-0.5B 8-bit draft, 4 drafts",
@@ -76,12 +76,13 @@ PRESETS: dict[str, Preset] = {
         ("muse-glimmer-dflash-m4max", "muse-glimmer-dflash-m5max", "muse-glimmer-dflash-m3ultra-zlab"),
         "Meta's Muse Glimmer 30B with its DFlash assistant head: greedy, batch 1, 16-token blocks",
         Need("target", "Muse-Glimmer-30B",
-             "the Muse Glimmer 30B checkpoint from Meta on Hugging Face, converted with "
-             "mlx_lm.convert (Meta measured a ~17 GB K-quant; use -q for 4-bit), passed as --model"),
+             "an MLX conversion of Meta's Muse Glimmer 30B (`mlx_lm.convert --hf-path <Meta's "
+             "repo> -q`; Meta measured a ~17 GB K-quant), passed as --model; see docs/dflash.md"),
         head=Need("drafter head", "meta-models/Muse-Glimmer-30B-assistant",
-                  "download meta-models/Muse-Glimmer-30B-assistant and convert it with "
-                  "`mlx-spec convert head` once the dflash kind exists; pass it as --drafter"),
-        methods=("baseline", "dflash"), ks=(16,)),
+                  "`huggingface-cli download meta-models/Muse-Glimmer-30B-assistant`, then "
+                  "`mlx-spec convert head <it> <out> --target <the target> --format dflash`; "
+                  "pass <out> as --drafter"),
+        methods=("baseline", "dflash"), ks=(16, "auto")),
 }
 
 
@@ -129,17 +130,27 @@ def missing_for(preset: Preset, model_arg: str | None, drafter_arg: str | None,
 
 
 def compare(result: dict, claims: list[dict]) -> list[dict]:
-    """Each claim beside this run's best measured speed-up for the same method."""
+    """Each claim beside this run's best measured speed-up for the same method(s)."""
     summary, hw = result["summary"], result["hardware"]
-    here = f"{hw.get('gpu') or ''} {hw.get('cpu') or ''}".lower()
     rows = []
     for c in claims:
-        label = best_variant(summary, c["compare_with"])
-        measured = summary[label][ALL]["speedup"] if label else None
-        chip = c["hardware"].lower().replace("apple ", "")
-        rows.append({**c, "measured_label": label, "measured_speedup": measured,
-                     "same_hardware": bool(chip) and chip in here})
+        names = c["compare_with"] if isinstance(c["compare_with"], list) else [c["compare_with"]]
+        measured = []
+        for name in names:
+            label = best_variant(summary, name)
+            if label and summary[label][ALL]["speedup"] is not None:
+                measured.append((label, summary[label][ALL]["speedup"]))
+        rows.append({**c, "measured": measured, "same_hardware": same_hardware(c, hw)})
     return rows
+
+
+def same_hardware(claim: dict, hw: dict) -> bool:
+    """A claim's `match` fields all equal this machine's, or its chip name is this machine's."""
+    if claim.get("match"):
+        return all(hw.get(k) == v for k, v in claim["match"].items())
+    here = f"{hw.get('gpu') or ''} {hw.get('cpu') or ''}".lower()
+    chip = claim["hardware"].lower().replace("apple ", "")
+    return bool(chip) and chip in here
 
 
 def claims_markdown(rows: list[dict], result: dict) -> str:
@@ -150,7 +161,7 @@ def claims_markdown(rows: list[dict], result: dict) -> str:
         tps = ""
         if r.get("baseline_tps") and r.get("spec_tps"):
             tps = f" ({r['baseline_tps']} → {r['spec_tps']} tok/s)"
-        here = "not run" if r["measured_label"] is None else f"{r['measured_speedup']:.2f}x ({r['measured_label']})"
+        here = "; ".join(f"{label} {sp:.2f}x" for label, sp in r["measured"]) or "not run"
         hw = r["hardware"] + (" = this machine" if r["same_hardware"] else "")
         models = r["target"] + (f" + {r['drafter']}" if r.get("drafter") else "")
         lines.append(f"| {r['id']} | {r['method']} | {hw} | {models} | {r['speedup']:.2f}x{tps} | "

@@ -16,7 +16,7 @@ from pathlib import Path
 DEFAULTS = {  # sized so the default run on SmolLM2-135M takes a few minutes on a CPU
     "model": "smollm2-135m-instruct",
     "methods": "baseline,mlx-spec,mlx-lm-draft,ngram,draft",
-    "num_draft_tokens": "2,4",
+    "num_draft_tokens": "2,4,auto",
     "suites": None,  # all
 }
 
@@ -24,7 +24,7 @@ DEFAULTS = {  # sized so the default run on SmolLM2-135M takes a few minutes on 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"target: model folder, zoo name or HF repo (default {DEFAULTS['model']})")
     p.add_argument("--draft-model", help="draft model for mlx-lm-draft and draft (folder, zoo name, repo)")
-    p.add_argument("--drafter", help="head drafter folder for the mtp/eagle3/dflash/dspark methods")
+    p.add_argument("--drafter", help="head drafter folder for the mtp/eagle/eagle3/dflash/dspark methods")
     p.add_argument("--methods", help=f"comma list (default {DEFAULTS['methods']}; methods whose "
                    "models are not given are skipped; 'baseline' is always run)")
     p.add_argument("--suites", help="comma list of prompt suites (default: all)")
@@ -112,8 +112,7 @@ def resolve_model(name: str) -> str:
 def _measure(args) -> dict:
     import mlx_spec
 
-    from .cost import verify_times
-    from .hardware import describe, hardware_info
+    from .hardware import busy_warning, describe, hardware_info, load_average
     from .harness import run_bench
     from .methods import BASELINE, Context, plan_variants
     from .suites import encode_chat, load_prompts, suite_names
@@ -135,18 +134,19 @@ def _measure(args) -> dict:
     hw = hardware_info()
     for w in hw["warnings"]:
         say(f"WARNING: {w}")
-    cost = None
-    if args.cost_repeats > 0:
-        say(f"measuring the verify cost curve (n = 1..16, {args.cost_context} tokens of context)")
-        seconds = verify_times(model, 16, args.cost_context, args.cost_repeats,
-                               encode_chat(tokenizer, prompts[0].text))
-        cost = {"context": args.cost_context, "seconds": seconds,
-                "relative": [t / seconds[0] for t in seconds]}
+    cost = _cost_curve(model, encode_chat(tokenizer, prompts[0].text), args, say)
     say(f"{len(plan.variants)} methods x {len(prompts)} prompts x {args.repeats} repeats, "
         f"{args.max_tokens} new tokens each")
-    tic = time.time()
+    tic, loads = time.time(), [load_average()]
     records = run_bench(ctx, plan.variants, prompts, repeats=args.repeats,
-                        max_tokens=args.max_tokens, seed=args.seed)
+                        max_tokens=args.max_tokens, seed=args.seed,
+                        progress=lambda msg: (loads.append(load_average()), say(msg)))
+    hw["load_average"] = {"max": max((x for x in loads if x is not None), default=None),
+                          "start": loads[0], "end": load_average()}
+    busy = busy_warning(loads, hw["cpu_count"])
+    if busy:
+        hw["warnings"].append(busy)
+        say(f"WARNING: {busy}")
     summary = summarize(records, BASELINE)
     identical = check_identical(records, BASELINE)
     return {
@@ -172,6 +172,18 @@ def _measure(args) -> dict:
         "skipped": plan.skipped,
         "runs": records,
     }
+
+
+def _cost_curve(model, tokens: list[int], args, say) -> dict | None:
+    """The target's verify cost curve, with a real prompt's tokens in the cache."""
+    from .cost import verify_times
+
+    if args.cost_repeats <= 0:
+        return None
+    say(f"measuring the verify cost curve (n = 1..16, {args.cost_context} tokens of context)")
+    seconds = verify_times(model, 16, args.cost_context, args.cost_repeats, tokens)
+    return {"context": args.cost_context, "seconds": seconds,
+            "relative": [t / seconds[0] for t in seconds]}
 
 
 def _report(result: dict, args, out: Path) -> int:

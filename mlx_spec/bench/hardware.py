@@ -123,6 +123,25 @@ def hardware_info() -> dict:
     return info
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def busy_warning(loads: list[float | None], cores: int | None) -> str | None:
+    """A warning when other work competed for the cores while the benchmark ran."""
+    worst = max((x for x in loads if x is not None), default=None)
+    # The benchmark itself keeps about `cores` threads busy (BLAS threads plus the main one).
+    if worst is None or not cores or worst <= 1.5 * cores + 0.5:
+        return None
+    return (f"the machine was busy (load average up to {worst:.1f} on {cores} cores; this "
+            f"benchmark alone accounts for about {cores}): other processes took CPU time, so "
+            "tokens/s are low and noisy; acceptance, tau and the identical-output check are not")
+
+
 def describe(info: dict) -> str:
     """One line for the report header."""
     mem = f"{info['memory_gb']} GB" if info.get("memory_gb") else "? GB"

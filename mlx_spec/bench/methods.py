@@ -6,10 +6,9 @@ decoding are entries like any drafter of ours, so adding a drafter kind is one
 line in `METHODS`. k values are passed through untouched: a k the engine
 rejects (e.g. "auto" for mlx-lm) is filtered by the entry's `accepts_k`.
 
-Head drafters (MTP, EAGLE-3, DFlash, DSpark) are loaded with
-`mlx_spec.load_drafter(--drafter PATH, model, kind)`; their entries report "not
-implemented yet" until a loader for that kind is registered in
-`mlx_spec.heads.LOADERS`.
+Head drafters (MTP, EAGLE, EAGLE-3, DFlash, DSpark) are loaded with
+`mlx_spec.load_drafter(--drafter PATH, model, kind)`; an entry reports "not
+implemented" when no loader for its kind is registered in `mlx_spec.heads`.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ METHODS: dict[str, Method] = {
                     uses_k=True),
     "draft": Method("draft", "mlx-spec with --draft-model (DraftModelDrafter)",
                     _mlx_spec(_draft_model), uses_k=True, requires=("draft_model",)),
-    **{kind: _head(kind) for kind in ("mtp", "eagle3", "dflash", "dspark")},
+    **{kind: _head(kind) for kind in ("mtp", "eagle", "eagle3", "dflash", "dspark")},
 }
 DEFAULT_METHODS = ("baseline", "mlx-spec", "mlx-lm-draft", "ngram", "draft")
 BASELINE = "baseline"
