@@ -38,6 +38,7 @@ N_MAX = 17  # verify rows: y plus at most 16 drafted tokens
 PRIOR, PRIOR_WEIGHT = 0.6, 2  # acceptance assumed before observing, worth 2 observations
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
+EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
 
 
 @dataclass
@@ -60,9 +61,11 @@ class AdaptiveK:
     accept: list[float] = field(default_factory=list)  # a_i
     seen: list[int] = field(default_factory=list)  # observations at position i
     replays: bool = False  # recurrent target: a rejection costs a forward over the kept tokens
-    correction: dict[int, float] = field(default_factory=dict)  # k -> observed / calibrated time
+    scale: float | None = None  # observed / calibrated step time, over all k
+    shape: dict[int, float] = field(default_factory=dict)  # k -> its own deviation from `scale`
     parked: int = 0
     probe_every: int = PROBE_FIRST
+    steps: int = 0
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)
@@ -77,13 +80,17 @@ class AdaptiveK:
         return total
 
     def seconds(self, k: int) -> float:
+        """Predicted step time at k, up to the common `scale` (which cannot change the best k)."""
+        return self.calibrated_seconds(k) * self.shape.get(k, 1.0)
+
+    def calibrated_seconds(self, k: int) -> float:
         base = self.costs.step_seconds(k)
         if self.replays:
             survive = 1.0
             for j in range(k):  # P(n = j) * V(j + 1): rejected at position j, j + 1 kept
                 base += survive * (1 - self.accept[j]) * self.costs.verify[j]
                 survive *= self.accept[j]
-        return base * self.correction.get(k, 1.0)
+        return base
 
     def rates(self) -> list[float]:
         """Expected tokens per second for k = 0..k_max."""
@@ -100,6 +107,9 @@ class AdaptiveK:
                 k = 1
         else:
             self.parked, self.probe_every = 0, PROBE_FIRST
+            self.steps += 1
+            if self.steps % EXPLORE == 0:  # measure a neighbour now and then
+                k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
         return k, rates[k] / rates[0]
 
     def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
@@ -111,12 +121,14 @@ class AdaptiveK:
             w = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), EMA)
             self.accept[i] += w * ((i < accepted) - self.accept[i])
         if seconds is not None and proposed <= self.k_max:
-            # Per-k ratio of observed to calibrated time. A k never tried keeps its
-            # calibrated cost, so a slowdown seen at one k makes the policy try the
-            # others, until every k in play is measured under today's conditions.
-            ratio = seconds / self.costs.step_seconds(proposed)
-            old = self.correction.get(proposed)
-            self.correction[proposed] = ratio if old is None else old + EMA * (ratio - old)
+            # Observed / calibrated time = scale * shape[k]. The scale follows
+            # whatever slows every k alike (other processes, a stale calibration);
+            # shape[k] learns, from steps at several k (n-gram misses, probes,
+            # exploration), how this k really compares with the others.
+            ratio = seconds / self.calibrated_seconds(proposed)
+            shape = self.shape.get(proposed, 1.0)
+            self.scale = ratio / shape if self.scale is None else self.scale + 2 * EMA * (ratio / shape - self.scale)
+            self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
 
 
 def cache_dir() -> Path:

@@ -68,11 +68,21 @@ def test_expected_gain_is_reported_relative_to_plain_decoding():
 
 def test_observed_step_times_correct_the_curve_shape():
     policy = AdaptiveK(linear_costs(0.05), k_max=8)
-    for _ in range(60):
-        k, _ = policy.choose()
-        # Really, wide blocks cost far more than calibrated (e.g. another dtype path).
-        policy.observe(k, k, seconds=1.0 + 1.5 * k)
-    assert policy.choose()[0] <= 2
+    feed(policy, 20, accept_len=8)
+    assert policy.choose()[0] == 8
+    # Steps at many k (as n-gram misses, probes and exploration give): in truth every
+    # drafted token costs 1.5 forwards, and calibration was 5x too slow.
+    for i in range(300):
+        k = i % 9
+        policy.observe(k, k, seconds=0.2 * (1.0 + 1.5 * k))
+    assert policy.choose()[0] <= 1
+
+
+def test_exploration_measures_neighbouring_k():
+    policy = AdaptiveK(linear_costs(0.05), k_max=8)
+    feed(policy, 20, accept_len=8)
+    chosen = [policy.choose()[0] for _ in range(64)]
+    assert set(chosen) == {7, 8} and chosen.count(7) <= 64 // adaptive.EXPLORE + 1
 
 
 def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
@@ -84,8 +94,7 @@ def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
         k, _ = policy.choose()
         chosen.append(k)
         policy.observe(k, k, seconds=3 * policy.costs.step_seconds(k))
-    # It may try other k while it re-measures them, then settles where it was.
-    assert chosen[-10:] == [before] * 10
+    assert chosen.count(before) >= len(chosen) - len(chosen) // adaptive.EXPLORE - 1
 
 
 def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch):
