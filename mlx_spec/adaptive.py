@@ -224,8 +224,19 @@ def calibrate(model) -> list[float]:
 
 def policy_for(model, drafter, k_max: int, replays: bool = False,
                recalibrate: bool = False) -> AdaptiveK:
-    """The adaptive policy for this target and drafter (`replays`: recurrent target)."""
+    """The adaptive policy for this target and drafter (`replays`: recurrent target).
+
+    The policy lives on the drafter, so what it learned (acceptance per
+    position, the cost curve's real shape) carries over to the next call with
+    the same target instead of starting again from the prior.
+    """
+    key = (id(model), k_max, replays)
+    kept = getattr(drafter, "_mlx_spec_policy", None)
+    if kept is not None and kept[0] == key and not recalibrate:
+        return kept[1]
     verify = verify_seconds(model, recalibrate=recalibrate)
     draft_model = getattr(drafter, "model", None)
     per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
-    return AdaptiveK(CostModel(verify, per_token), k_max, replays=replays)
+    policy = AdaptiveK(CostModel(verify, per_token), k_max, replays=replays)
+    drafter._mlx_spec_policy = (key, policy)
+    return policy

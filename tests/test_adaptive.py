@@ -150,3 +150,18 @@ def test_recurrent_targets_pay_for_replays_so_k_shrinks():
     assert hybrid.seconds(8) > plain.seconds(8)
     assert hybrid.seconds(0) == plain.seconds(0)
     assert hybrid.choose()[0] <= plain.choose()[0]
+
+
+def test_what_the_policy_learned_carries_over_to_the_next_call():
+    model = tiny.llama_model(seed=4)
+    drafter = mlx_spec.DraftModelDrafter(model)  # the target itself: everything is accepted
+    prompt = [5, 6, 7, 8]
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=30))
+    policy = drafter._mlx_spec_policy[1]
+    learned = list(policy.accept)
+    assert learned[0] > adaptive.PRIOR  # it saw acceptances
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=5))
+    assert drafter._mlx_spec_policy[1] is policy and policy.accept[0] >= learned[0]
+    other = tiny.llama_model(seed=5)  # another target: start again
+    list(mlx_spec.stream_generate(other, tiny.tokenizer(), prompt, drafter, max_tokens=5))
+    assert drafter._mlx_spec_policy[1] is not policy
