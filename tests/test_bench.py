@@ -29,7 +29,7 @@ def tiny_models(monkeypatch):
     import mlx_spec
 
     monkeypatch.setattr(mlx_spec, "load", lambda name: pair[name])
-    monkeypatch.setattr("mlx_spec.bench.cli.resolve_model", lambda name: name)
+    monkeypatch.setattr("mlx_spec.bench.cli.resolve_model", lambda name, dtype: name)
     return pair
 
 

@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help=f"target: model folder, zoo name or HF repo (default {DEFAULTS['model']})")
     p.add_argument("--draft-model", help="draft model for mlx-lm-draft and draft (folder, zoo name, repo)")
     p.add_argument("--drafter", help="head drafter folder for the mtp/eagle/eagle3/dflash/dspark methods")
+    p.add_argument("--dtype", default="float32",
+                   help="dtype of zoo models (default float32, the fast one on CPUs; bfloat16 on Macs)")
     p.add_argument("--methods", help=f"comma list (default {DEFAULTS['methods']}; methods whose "
                    "models are not given are skipped; 'baseline' is always run)")
     p.add_argument("--suites", help="comma list of prompt suites (default: all)")
@@ -97,7 +99,7 @@ def parse_ks(text: str) -> list:
     return out
 
 
-def resolve_model(name: str) -> str:
+def resolve_model(name: str, dtype: str = "float32") -> str:
     """A folder stays a folder; 'org/name' is a Hugging Face repo; a bare name is a zoo model."""
     path = Path(name).expanduser()
     if path.exists() or "/" in name:
@@ -106,7 +108,7 @@ def resolve_model(name: str) -> str:
         from mlx_spec import zoo
     except ImportError as e:
         raise SystemExit(f"{name!r} is not a folder and the model zoo is unavailable ({e})")
-    return str(zoo.fetch(name, dtype="float32"))
+    return str(zoo.fetch(name, dtype=dtype))
 
 
 def _measure(args) -> dict:
@@ -122,12 +124,13 @@ def _measure(args) -> dict:
     suites = args.suites.split(",") if args.suites else suite_names()
     prompts = load_prompts(suites, args.prompts_per_suite or None)
     say(f"loading {args.model}")
-    model, tokenizer = mlx_spec.load(resolve_model(args.model))
+    model, tokenizer = mlx_spec.load(resolve_model(args.model, args.dtype))
     ctx = Context(model, tokenizer, drafter_path=args.drafter, temp=args.temp,
                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     if args.draft_model:
         say(f"loading draft {args.draft_model}")
-        ctx.draft_model, ctx.draft_tokenizer = mlx_spec.load(resolve_model(args.draft_model))
+        draft_path = resolve_model(args.draft_model, args.dtype)
+        ctx.draft_model, ctx.draft_tokenizer = mlx_spec.load(draft_path)
     plan = plan_variants(args.methods.split(","), parse_ks(args.num_draft_tokens), ctx)
     for s in plan.skipped:
         say(f"skipping {s}")
@@ -161,7 +164,7 @@ def _measure(args) -> dict:
             "num_draft_tokens": parse_ks(args.num_draft_tokens), "suites": suites,
             "prompts_per_suite": args.prompts_per_suite, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temp": args.temp, "top_p": args.top_p, "top_k": args.top_k,
-            "min_p": args.min_p, "seed": args.seed, "preset": args.preset,
+            "min_p": args.min_p, "seed": args.seed, "preset": args.preset, "dtype": args.dtype,
         },
         "hardware": hw,
         "hardware_line": describe(hw),
