@@ -158,14 +158,7 @@ def _measure(args) -> dict:
         "command": "mlx-spec bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
         if sys.argv[1:2] == ["bench"] else " ".join(shlex.quote(a) for a in sys.argv),
         "wall_s": time.time() - tic,
-        "config": {
-            "model_name": args.model, "draft_model": args.draft_model, "drafter": args.drafter,
-            "methods": [v.label for v in plan.variants], "baseline": BASELINE,
-            "num_draft_tokens": parse_ks(args.num_draft_tokens), "suites": suites,
-            "prompts_per_suite": args.prompts_per_suite, "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "temp": args.temp, "top_p": args.top_p, "top_k": args.top_k,
-            "min_p": args.min_p, "seed": args.seed, "preset": args.preset, "dtype": args.dtype,
-        },
+        "config": _config(args, [v.label for v in plan.variants], suites, BASELINE),
         "hardware": hw,
         "hardware_line": describe(hw),
         "verify_cost": cost,
@@ -174,6 +167,17 @@ def _measure(args) -> dict:
         "targets": evaluate_targets(summary, identical, greedy=args.temp == 0),
         "skipped": plan.skipped,
         "runs": records,
+    }
+
+
+def _config(args, labels: list[str], suites: list[str], baseline: str) -> dict:
+    return {
+        "model_name": args.model, "draft_model": args.draft_model, "drafter": args.drafter,
+        "methods": labels, "baseline": baseline,
+        "num_draft_tokens": parse_ks(args.num_draft_tokens), "suites": suites,
+        "prompts_per_suite": args.prompts_per_suite, "max_tokens": args.max_tokens,
+        "repeats": args.repeats, "temp": args.temp, "top_p": args.top_p, "top_k": args.top_k,
+        "min_p": args.min_p, "seed": args.seed, "preset": args.preset, "dtype": args.dtype,
     }
 
 
