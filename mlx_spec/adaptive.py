@@ -72,10 +72,22 @@ class AdaptiveK:
         self.accept = [PRIOR] * self.k_max
         self.seen = [0] * self.k_max
 
+    def estimates(self) -> list[float]:
+        """Acceptance per position; a position never reached inherits the one before it.
+
+        Optimism about deeper positions is what makes the policy try a longer draft
+        once the shallow ones prove reliable; it then measures them.
+        """
+        out, prev = [], PRIOR
+        for a, n in zip(self.accept, self.seen):
+            prev = a if n else prev
+            out.append(prev)
+        return out
+
     def expected_tokens(self, k: int) -> float:
         total, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.accept[i]
+        for a in self.estimates()[:k]:
+            survive *= a
             total += survive
         return total
 
@@ -87,9 +99,9 @@ class AdaptiveK:
         base = self.costs.step_seconds(k)
         if self.replays:
             survive = 1.0
-            for j in range(k):  # P(n = j) * V(j + 1): rejected at position j, j + 1 kept
-                base += survive * (1 - self.accept[j]) * self.costs.verify[j]
-                survive *= self.accept[j]
+            for j, a in enumerate(self.estimates()[:k]):  # P(n = j) V(j + 1): j + 1 kept
+                base += survive * (1 - a) * self.costs.verify[j]
+                survive *= a
         return base
 
     def rates(self) -> list[float]:
@@ -114,9 +126,12 @@ class AdaptiveK:
 
     def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
         """A verify step with `proposed` drafted tokens kept `accepted` of them."""
+        estimates = self.estimates()
         for i in range(min(proposed, self.k_max)):
             if i > accepted:  # never reached: position i-1 was rejected
                 break
+            if not self.seen[i]:  # start from what it inherited, not from the prior
+                self.accept[i] = estimates[i]
             self.seen[i] += 1
             w = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), EMA)
             self.accept[i] += w * ((i < accepted) - self.accept[i])

@@ -30,6 +30,9 @@ class Context:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # One drafter per (method, k) for the whole run, as an application would keep it:
+    # what adaptive k learns carries over from prompt to prompt.
+    drafters: dict = field(default_factory=dict)
 
 
 # (ctx, prompt ids, k, max_tokens, seed) -> iterator of responses
@@ -85,7 +88,11 @@ def _mlx_spec(make_drafter: Callable[[Context], object] | None) -> StreamFn:
     def stream(ctx, ids, k, max_tokens, seed):
         import mlx_spec
 
-        drafter = make_drafter(ctx) if make_drafter else None
+        drafter = None
+        if make_drafter is not None:
+            if (make_drafter, k) not in ctx.drafters:
+                ctx.drafters[(make_drafter, k)] = make_drafter(ctx)
+            drafter = ctx.drafters[(make_drafter, k)]
         kw = {"num_draft_tokens": k} if drafter is not None else {}
         return mlx_spec.stream_generate(
             ctx.model, ctx.tokenizer, ids, drafter, max_tokens=max_tokens, temp=ctx.temp,

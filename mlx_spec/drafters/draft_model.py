@@ -34,11 +34,13 @@ class DraftModelDrafter:
         self._pending: list[int] = []  # committed tokens the draft has not consumed
         self._k = 0  # size of the outstanding proposal (0: none)
         self._ckpt: Checkpoint | None = None
+        self._checked = None  # the target tokenizer the vocabularies were last compared with
 
     def bind(self, model, tokenizer) -> None:
         v_t, v_d = vocab_size(model), vocab_size(self.model)
-        if self.tokenizer is not None:
-            _check_same_vocab(tokenizer, self.tokenizer)
+        if self.tokenizer is not None and self._checked is not tokenizer:
+            _check_same_vocab(tokenizer, self.tokenizer)  # ~150k entries: once per tokenizer
+            self._checked = tokenizer
         elif v_t != v_d:
             raise ValueError(
                 f"vocabulary mismatch: the target has {v_t} token ids, the draft model "
