@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import secrets
 import shutil
 from pathlib import Path
@@ -92,15 +91,9 @@ def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
 
 def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:
     """Apply the first matching `(pattern, replacement)`; None drops the key on purpose."""
-    out, unmapped = {}, []
-    for key, value in weights.items():
-        for pattern, repl in table:
-            if re.fullmatch(pattern, key):
-                if repl is not None:
-                    out[re.sub(pattern, repl, key)] = value
-                break
-        else:
-            unmapped.append(key)
+    from mlx_spec.weights import rename as apply_rules
+
+    out, unmapped = apply_rules(weights, table)
     if unmapped:
         raise ConversionError(
             f"{len(unmapped)} tensor(s) in the checkpoint match no known key, e.g. "

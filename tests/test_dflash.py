@@ -243,25 +243,10 @@ def test_a_quantized_head_still_decodes_losslessly(tmp_path):
 V8 = 8
 
 
-def exact_marginals(model, sampling, prompt, positions=3):
-    marginals, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        probs = np.array(sampling.probs(model(mx.array([prompt + list(s) for s in seqs]))[:, -1]))
-        marginal, nxt = np.zeros(V8), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            for t in np.nonzero(row)[0]:
-                nxt[s + (int(t),)] = p_s * row[t]
-        marginals.append(marginal)
-        prefixes = nxt
-    return marginals
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("sample_drafts", [False, True], ids=["point-mass", "own-q"])
 def test_sampled_output_follows_the_target_distribution(tmp_path, sample_drafts):
-    from stats_utils import chi2_pvalue
+    from stats_utils import chi2_pvalue, exact_marginals
 
     model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
     tdir = S.write_target(tmp_path / "t", model, tcfg)

@@ -343,7 +343,7 @@ def test_masked_accept_with_drafts_from_q_is_lossless_for_the_first_token():
 @pytest.mark.parametrize("cut", [None, "sync"])
 def test_sampled_output_follows_the_target_distribution(tmp_path, cut):
     from stats_utils import chi2_pvalue
-    from test_dflash import exact_marginals
+    from stats_utils import exact_marginals
 
     V8 = 8
     model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)

@@ -10,7 +10,6 @@ output is compared with the exact marginals of the first generated positions
 
 from __future__ import annotations
 
-import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -22,7 +21,7 @@ import tiny
 from converters.eagle import v1, v3
 from eagle_fixtures import eagle1_checkpoint, eagle3_checkpoint, target_folder
 from mlx_spec.sampling import Sampling
-from stats_utils import chi2_pvalue
+from stats_utils import chi2_pvalue, exact_marginals
 
 H = 64
 
@@ -93,21 +92,6 @@ PROMPT = [1, 2, 3, 1, 2]
 RUNS = 1200
 
 
-def exact_marginals(model, sampling, positions=3):
-    """P(token at generated position j), by enumerating every prefix."""
-    out, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        probs = np.array(sampling.probs(model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1]))
-        marginal, nxt = np.zeros(V8), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            nxt.update({s + (int(t),): p_s * row[t] for t in np.nonzero(row)[0]})
-        out.append(marginal)
-        prefixes = nxt
-    return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,V_d,kw", [
     ("eagle", None, dict(temp=1.0)),
@@ -116,7 +100,7 @@ def exact_marginals(model, sampling, positions=3):
 def test_sampled_positions_follow_the_target_distribution(tmp_path, kind, V_d, kw):
     model = bigram_target(vocab=V8, seed=3, sharpen=2.0)  # flat enough that a wrong q would show
     out = _head(tmp_path, model, kind, V8, V_d)
-    exact = exact_marginals(model, Sampling(**kw))
+    exact = exact_marginals(model, Sampling(**kw), PROMPT)
     tok = tiny.tokenizer(vocab=V8)
     counts, drafted, accepted = np.zeros((3, V8)), 0, 0
     drafter = mlx_spec.load_drafter(out, model)  # bind() resets it for every run

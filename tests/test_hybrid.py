@@ -33,7 +33,7 @@ from mlx_spec.drafters.base import Draft
 from mlx_spec.decode import Verifier
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import FINAL_NORM, decoder_stack
-from stats_utils import chi2_pvalue
+from stats_utils import chi2_pvalue, exact_marginals
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
 _built: dict = {}
@@ -97,27 +97,12 @@ PROMPT8 = [1, 2, 3, 1, 2]
 RUNS = {"mtp": 1200, "ngram": 600, "qwen3_5-draft": 600}
 
 
-def exact_marginals(model, sampling, positions=3):
-    """P(token at generated position j), by enumerating every prefix (no cache)."""
-    marginals, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        probs = np.array(sampling.probs(model(mx.array([PROMPT8 + list(s) for s in seqs]))[:, -1]))
-        marginal, nxt = np.zeros(V8), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            nxt.update({s + (int(t),): p_s * row[t] for t in np.nonzero(row)[0]})
-        marginals.append(marginal)
-        prefixes = nxt
-    return marginals
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["mtp", "ngram", "qwen3_5-draft"])
 def test_sampled_output_has_the_hybrid_targets_distribution(root, name):
     folder, model, tok = hybrid(root, V8)
     kw = dict(temp=1.0, top_k=6)
-    exact = exact_marginals(model, Sampling(**kw))
+    exact = exact_marginals(model, Sampling(**kw), PROMPT8)
     drafter = drafters(folder, model)[name]()
     counts, accepted, drafted = np.zeros((3, V8)), 0, 0
     for seed in range(RUNS[name]):

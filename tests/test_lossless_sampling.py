@@ -6,7 +6,6 @@ speculative sampling must match it (chi-square). The same check run with a
 deliberately wrong acceptance rule fails, which shows the test has power.
 """
 
-import itertools
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +16,7 @@ import mlx_spec.decode as engine
 import tiny
 from mlx_spec import DraftModelDrafter, NGramDrafter
 from mlx_spec.sampling import Sampling
-from stats_utils import chi2_pvalue
+from stats_utils import chi2_pvalue, exact_marginals
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
@@ -27,23 +26,6 @@ SETTINGS = [dict(temp=1.0), dict(temp=0.7, top_p=0.9, top_k=5)]
 
 def make_target():
     return tiny.llama_model(seed=3, vocab=V, sharpen=2.0)
-
-
-def exact_marginals(model, sampling, positions=3):
-    """P(token at generated position j) for j < positions, by enumerating prefixes."""
-    marginals, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        logits = model(mx.array([PROMPT + list(s) for s in seqs]))[:, -1]
-        probs = np.array(sampling.probs(logits))
-        marginal, nxt = np.zeros(V), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            for t in np.nonzero(row)[0]:
-                nxt[s + (int(t),)] = p_s * row[t]
-        marginals.append(marginal)
-        prefixes = nxt
-    return marginals
 
 
 def sample_counts(model, make_drafter, kw, positions=3):
@@ -69,7 +51,7 @@ POOR_DRAFT = tiny.llama_model(seed=17, vocab=V, layers=1, sharpen=3.0)
 @pytest.mark.parametrize("dname", list(DRAFTERS))
 def test_sampled_positions_follow_the_target_distribution(dname, kw):
     model = make_target()
-    exact = exact_marginals(model, Sampling(**kw))
+    exact = exact_marginals(model, Sampling(**kw), PROMPT)
     counts = sample_counts(model, DRAFTERS[dname], kw)
     for j in range(3):
         assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"
@@ -102,7 +84,7 @@ def resample_from_p(logits, draft, q, sampling, length=None):
 def test_the_same_check_rejects_a_wrong_acceptance_rule(monkeypatch):
     model = make_target()
     kw = SETTINGS[0]
-    exact = exact_marginals(model, Sampling(**kw))
+    exact = exact_marginals(model, Sampling(**kw), PROMPT)
     monkeypatch.setattr(engine, "accept", resample_from_p)
     counts = sample_counts(model, DRAFTERS["poor-draft-model"], kw)
     assert min(chi2_pvalue(counts[j], exact[j]) for j in range(1, 3)) < 1e-4

@@ -32,6 +32,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...weights import rename
+
 
 @dataclass(frozen=True)
 class Family:
@@ -178,15 +180,9 @@ def norms_are_offsets(family: str, folder: Path, prefix: str) -> bool:
 # ---- renaming ---------------------------------------------------------------
 
 def apply_table(weights: dict, table: list[tuple[str, str | None]], where: str) -> dict:
-    out = {}
-    for key, value in weights.items():
-        for pattern, repl in table:
-            if re.fullmatch(pattern, key):
-                if repl is not None:
-                    out[re.sub(pattern, repl, key)] = value
-                break
-        else:
-            raise ValueError(f"{where}: MTP tensor {key!r} matches no known key")
+    out, unmapped = rename(weights, table)
+    if unmapped:
+        raise ValueError(f"{where}: MTP tensor {unmapped[0]!r} matches no known key")
     return out
 
 
