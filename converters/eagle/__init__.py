@@ -23,7 +23,14 @@ from pathlib import Path
 
 from mlx_spec.taps import EMBED
 
-from ..common import HEAD_FORMAT_VERSION, ConversionError, read_config, target_identity
+from ..common import (
+    HEAD_FORMAT_VERSION,
+    ConversionError,
+    read_config,
+    read_tensors,
+    target_identity,
+    write_head,
+)
 
 
 def target_config(target) -> dict:
@@ -151,3 +158,15 @@ def from_output_of_layer(ids, n_layers: int) -> list:
 
 def mlx_spec_block(kind: str, taps: list, target: dict) -> dict:
     return {"format": HEAD_FORMAT_VERSION, "drafter": kind, "taps": taps, "target": target_identity(target)}
+
+
+def convert_with(build, src_folder, out_dir, target_folder, *, quantize_bits=None,
+                 group_size=64, force=False) -> Path:
+    """Read the checkpoint, `build(cfg, weights, target) -> (config, weights)`, write the head."""
+    if Path(out_dir).exists() and not force:  # before reading any tensor
+        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
+    target = target_config(target_folder)
+    cfg = read_config(Path(src_folder))
+    config, weights = build(cfg, read_tensors(Path(src_folder)), target)
+    return write_head(Path(out_dir), config, weights, quantize_bits=quantize_bits,
+                      group_size=group_size, force=force)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from mlx_spec.taps import FINAL_NORM
 
-from ..common import ConversionError, check_shapes, read_config, read_tensors, rename, write_head
-from . import flag, layer_fields, layer_shapes, mlx_spec_block, require, strip_model_prefix, target_config, target_dims
+from ..common import check_shapes, rename
+from . import convert_with, flag, layer_fields, layer_shapes, mlx_spec_block, require, strip_model_prefix, target_dims
 
 # checkpoint key -> head key (None: dropped on purpose)
 TABLE = [
@@ -71,9 +71,5 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
 
 
 def convert(src_folder, out_dir, target_folder, *, quantize_bits=None, group_size=64, force=False) -> Path:
-    target = target_config(target_folder)
-    cfg = read_config(Path(src_folder))
-    config, weights = build(cfg, read_tensors(Path(src_folder)), target)
-    if Path(out_dir).exists() and not force:
-        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
-    return write_head(Path(out_dir), config, weights, quantize_bits=quantize_bits, group_size=group_size, force=force)
+    return convert_with(build, src_folder, out_dir, target_folder, quantize_bits=quantize_bits,
+                        group_size=group_size, force=force)

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..common import ConversionError, check_shapes, read_config, read_tensors, rename, write_head
+from ..common import ConversionError, check_shapes, rename
 from . import (
+    convert_with,
     flag, from_input_of_layer, from_output_of_layer, layer_fields, layer_shapes,
-    mlx_spec_block, require, strip_model_prefix, target_config, target_dims,
+    mlx_spec_block, require, strip_model_prefix, target_dims,
 )
 
 # checkpoint key (after `midlayer.` -> `layers.0.`) -> head key (None: dropped on purpose)
@@ -178,9 +179,5 @@ def _expected(f, o, n_layers, k, H_t, V_d, V_t, has_map) -> dict:
 
 
 def convert(src_folder, out_dir, target_folder, *, quantize_bits=None, group_size=64, force=False) -> Path:
-    target = target_config(target_folder)
-    cfg = read_config(Path(src_folder))
-    config, weights = build(cfg, read_tensors(Path(src_folder)), target)
-    if Path(out_dir).exists() and not force:
-        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
-    return write_head(Path(out_dir), config, weights, quantize_bits=quantize_bits, group_size=group_size, force=force)
+    return convert_with(build, src_folder, out_dir, target_folder, quantize_bits=quantize_bits,
+                        group_size=group_size, force=force)
