@@ -117,7 +117,7 @@ def _measure(args) -> dict:
     from .hardware import busy_warning, describe, hardware_info, load_average
     from .harness import run_bench
     from .methods import BASELINE, Context, plan_variants
-    from .suites import encode_chat, load_prompts, suite_names
+    from .suites import load_prompts, suite_names
     from .summary import check_identical, evaluate_targets, summarize
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -137,7 +137,7 @@ def _measure(args) -> dict:
     hw = hardware_info()
     for w in hw["warnings"]:
         say(f"WARNING: {w}")
-    cost = _cost_curve(model, encode_chat(tokenizer, prompts[0].text), args, say)
+    cost = _cost_curve(model, args, say)
     say(f"{len(plan.variants)} methods x {len(prompts)} prompts x {args.repeats} repeats, "
         f"{args.max_tokens} new tokens each")
     tic, loads = time.time(), [load_average()]
@@ -181,14 +181,14 @@ def _config(args, labels: list[str], suites: list[str], baseline: str) -> dict:
     }
 
 
-def _cost_curve(model, tokens: list[int], args, say) -> dict | None:
-    """The target's verify cost curve, with a real prompt's tokens in the cache."""
+def _cost_curve(model, args, say) -> dict | None:
+    """The target's verify cost curve (the same measurement adaptive k calibrates with)."""
     from .cost import verify_times
 
     if args.cost_repeats <= 0:
         return None
     say(f"measuring the verify cost curve (n = 1..16, {args.cost_context} tokens of context)")
-    seconds = verify_times(model, 16, args.cost_context, args.cost_repeats, tokens)
+    seconds = verify_times(model, 16, args.cost_context, args.cost_repeats)
     return {"context": args.cost_context, "seconds": seconds,
             "relative": [t / seconds[0] for t in seconds]}
 
