@@ -9,12 +9,15 @@ the last k-n of them must go. How depends on the layer's cache type:
   the buffer keeps `spare` extra positions, so a rollback of up to `spare`
   tokens always works, however long the sequence gets.
 * `ArraysCache` (recurrent layers: GatedDeltaNet, Mamba, short convolutions)
-  holds one state, not one entry per position. A `Checkpoint` taken before a
-  block keeps references to those states (MLX arrays are replaced, never
-  mutated, by these layers); to keep a prefix of the block it restores them,
-  drops the whole block from the attention layers and replays the kept tokens
-  through the model. The replay is a second (lazy) forward over n+1 tokens on
-  steps that rejected something.
+  holds one state, not one entry per position, and DeepSeek-V4.1's `LayerCache`
+  (mlx-lm `deepseek_v41`: a window that evicts rows, closed compressed groups,
+  the rows of the open group) cannot give back what it evicted or pooled. A
+  `Checkpoint` taken before a block keeps references to their state attributes
+  (`SNAPSHOT_ATTRS`; MLX arrays are replaced, never mutated, by these layers);
+  to keep a prefix of the block it restores them, drops the whole block from
+  the attention layers and replays the kept tokens through the model. The
+  replay is a second (lazy) forward over n+1 tokens on steps that rejected
+  something.
 * Anything else raises `CacheRollbackError` naming the layer and its type
   before any work starts. Never silent corruption.
 """
@@ -34,9 +37,30 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+try:  # mlx-lm >= 0.32 (DeepSeek-V4.1); older versions simply lack the class
+    from mlx_lm.models.deepseek_v41 import LayerCache
+except ImportError:  # pragma: no cover
+    LayerCache = None
+
 MAX_DRAFT = 16
 # A step can reject at most MAX_DRAFT of the MAX_DRAFT + 1 positions it appends.
 SPARE = MAX_DRAFT + 1
+
+
+# Caches restored from a snapshot of these attributes, then replayed. Each must
+# only ever *reassign* them on update (checked for the mlx-lm versions we support).
+SNAPSHOT_ATTRS: dict[type, tuple[str, ...]] = {ArraysCache: ("cache",)}
+if LayerCache is not None:
+    SNAPSHOT_ATTRS[LayerCache] = (
+        "window", "compress_kv", "index_k", "pending_kv", "pending_gate", "offset",
+    )
+
+
+def _snapshot_attrs(c: Any) -> tuple[str, ...] | None:
+    for cls, attrs in SNAPSHOT_ATTRS.items():
+        if isinstance(c, cls):
+            return attrs
+    return None
 
 
 class CacheRollbackError(ValueError):
@@ -163,7 +187,7 @@ def _temporal(c: RotatingKVCache, v: mx.array) -> mx.array:
 def _prepare_layer(c: Any, where: str) -> Any:
     if isinstance(c, RotatingKVCache):
         return WindowKVCache.from_rotating(c)
-    if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache, ArraysCache)):
+    if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)) or _snapshot_attrs(c):
         return c
     if isinstance(c, CacheList):
         c.caches = [_prepare_layer(x, f"{where}.{i}") for i, x in enumerate(c.caches)]
@@ -171,7 +195,7 @@ def _prepare_layer(c: Any, where: str) -> Any:
     raise CacheRollbackError(
         f"{where} uses {type(c).__name__}, which cannot roll back rejected draft "
         "tokens, so speculative decoding would corrupt its state. Supported: "
-        "KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache."
+        "KVCache, QuantizedKVCache, RotatingKVCache, ArraysCache, DeepSeek-V4.1 LayerCache."
     )
 
 
@@ -202,19 +226,20 @@ def _layers(cache: list):
 
 
 def rollback(cache: list, n: int) -> None:
-    """Drop the last `n` positions from every attention layer.
+    """Drop the last `n` positions from every trimmable layer.
 
-    Recurrent layers cannot drop positions: use a `Checkpoint` for caches
-    that have them.
+    Recurrent and DeepSeek-V4.1 layers cannot drop positions: use a
+    `Checkpoint` for caches that have them (`is_recurrent`).
     """
     if n > 0:
         for c in _layers(cache):
-            if not isinstance(c, ArraysCache):
+            if _snapshot_attrs(c) is None:
                 c.trim(n)
 
 
 def is_recurrent(cache: list) -> bool:
-    return any(isinstance(c, ArraysCache) for c in _layers(cache))
+    """Whether rolling `cache` back needs a snapshot and a replay forward."""
+    return any(_snapshot_attrs(c) is not None for c in _layers(cache))
 
 
 class Checkpoint:
@@ -227,7 +252,11 @@ class Checkpoint:
 
     def __init__(self, model, cache: list):
         self.model, self.cache = model, cache
-        self.states = [(c, list(c.cache)) for c in _layers(cache) if isinstance(c, ArraysCache)]
+        self.states = []
+        for c in _layers(cache):
+            attrs = _snapshot_attrs(c)
+            if attrs is not None:
+                self.states.append((c, {a: _copy(getattr(c, a)) for a in attrs}))
 
     def keep(self, kept: Sequence[int], fed: int) -> None:
         drop = fed - len(kept)
@@ -238,6 +267,12 @@ class Checkpoint:
             return
         rollback(self.cache, fed)
         for c, state in self.states:
-            c.cache = list(state)
+            for attr, value in state.items():
+                setattr(c, attr, _copy(value))
         if kept:  # replay; stays lazy until the next evaluation
             self.model(mx.array(list(kept), mx.uint32)[None], cache=self.cache)
+
+
+def _copy(value):
+    """A shallow copy of a list (ArraysCache's slots); arrays and ints as they are."""
+    return list(value) if isinstance(value, list) else value

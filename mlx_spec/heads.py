@@ -33,7 +33,7 @@ LOADERS: dict[str, str] = {
 # checkpoints that carry drafter weights; None when the folder has none of that kind.
 TARGET_PROBES: dict[str, str] = {
     "mtp": "mlx_spec.drafters.mtp:probe",
-    "dspark": "mlx_spec.drafters.dspark:probe_target",  # refuses DeepSeek-V4's in-checkpoint DSpark
+    "dspark": "mlx_spec.drafters.dspark:probe_target",  # DeepSeek-V4's in-checkpoint DSpark (mtp.*)
 }
 
 

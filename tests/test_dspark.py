@@ -137,10 +137,12 @@ def test_misshaped_markov_tensor_is_refused():
         conv.build(S.dspark_config(tcfg, 2, IDS, rank=16), {k: mx.array(v) for k, v in w.items()}, tcfg)
 
 
-def test_deepseek_v4_in_checkpoint_dspark_is_refused_clearly(tmp_path):
+def test_deepseek_v4_in_checkpoint_dspark_needs_a_deepseek_v41_target(tmp_path):
+    # the stages themselves are tested in test_dspark_v4.py
     (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "deepseek_v4", "dspark_block_size": 5, "dspark_target_layer_ids": [40, 41, 42]}))
-    with pytest.raises(ValueError, match="DeepSeek-V4 DSpark stages"):
+        {"model_type": "deepseek_v4", "dspark_block_size": 5, "dspark_target_layer_ids": [40, 41, 42],
+         "dspark_noise_token_id": 128799}))
+    with pytest.raises(ValueError, match="DeepSeek-V4 DSpark stages.*deepseek_v41"):
         load_drafter(tmp_path, echo_target()[0], kind="dspark")
 
 

@@ -91,3 +91,40 @@ def qwen3_5_model(seed=0, layers=4, vocab=VOCAB):
     lm.lm_head.weight = lm.lm_head.weight * 8
     mx.eval(model.parameters())
     return model
+
+
+DEEPSEEK_V41 = dict(
+    model_type="deepseek_v41", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
+    num_attention_heads=4, head_dim=32, q_lora_rank=32, qk_rope_head_dim=8, o_groups=2,
+    o_lora_rank=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+    hc_mult=2, hc_sinkhorn_iters=3, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    # Layer 1 pools groups of 4 window rows and indexes them; layer 2 reads its pool.
+    compress_ratios=[0, 4, 4, 0], kv_source_layer_ids=[1], index_source_layer_ids=[1],
+    index_n_heads=2, index_head_dim=16, index_topk=4,
+    hc_eps=1e-6, swiglu_limit=10.0, routed_scaling_factor=1.5, rope_theta=10000.0,
+)
+
+
+def deepseek_v41_model(seed=0, window=8, sharpen=8.0, **overrides):
+    """DeepSeek-V4.1 (mlx-lm `deepseek_v41`, LayerCache) with a small window and one pooled layer.
+
+    The mHC mixing, attention sinks and router start at zero in mlx-lm; they get
+    random values here so every part of the block matters.
+    """
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import deepseek_v41
+
+    mx.random.seed(seed)
+    args = deepseek_v41.ModelArgs.from_dict({**DEEPSEEK_V41, "sliding_window": window, **overrides})
+    model = deepseek_v41.Model(args)
+    scales = {".fn": 0.05, ".base": 0.5, ".sinks": 1.0, "gate.weight": 0.3,
+              "e_score_correction_bias": 0.1}
+    new = []
+    for name, value in tree_flatten(model.parameters()):
+        for suffix, scale in scales.items():
+            if name.endswith(suffix):
+                new.append((name, mx.random.normal(value.shape) * scale))
+    model.update(tree_unflatten(new))
+    model.lm_head.weight = model.lm_head.weight * sharpen
+    mx.eval(model.parameters())
+    return model

@@ -32,8 +32,11 @@ for any `Draft.length`. With `cut="mask"` the whole block is still verified
 the host inside propose (one extra host sync per step) and returns only L
 tokens, so the verify forward really shrinks.
 
-Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies,
-DeepSeek-V4's in-checkpoint DSpark stages (see `probe_target`).
+DeepSeek-V4's in-checkpoint DSpark stages (`mtp.*`, `probe_target`) live in
+`dspark_v4`; they share this module's Markov chain, confidences and cut
+(`SparkChain`).
+
+Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies.
 """
 
 from __future__ import annotations
@@ -109,18 +112,18 @@ def confidence_length(conf: mx.array, threshold: float) -> mx.array:
     return mx.cumprod(mx.cumprod(conf) >= threshold).sum()
 
 
-class DSparkDrafter:
-    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
+class SparkChain:
+    """DSpark's sequential stage, shared by every DSpark drafter (here and `dspark_v4`).
 
-    def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
-                 taps: Sequence, *, confidence_threshold: float | None = None,
-                 cut: str = "mask", sample_drafts: bool = True):
-        self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
-        self.max_draft = min(cfg.block_size, MAX_DRAFT_DEFAULT)
-        self.sample_drafts = sample_drafts
-        self.set_cut(confidence_threshold, cut)
-        self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
-        self._embed = self._head = None
+    A subclass sets `spark` (SparkConfig), `heads` (a module holding `markov_head`
+    and/or `confidence_head`), `sample_drafts`, `max_draft`, calls `set_cut`, and
+    implements `step_logits(y, k) -> (U [k, V], h [k, H])`.
+    """
+
+    spark: SparkConfig
+    heads: nn.Module
+    sample_drafts: bool
+    max_draft: int
 
     def set_cut(self, confidence_threshold: float | None, cut: str = "mask") -> None:
         """Verify only the prefix whose running confidence product stays >= the threshold.
@@ -138,35 +141,8 @@ class DSparkDrafter:
             raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
         self.threshold, self.cut = confidence_threshold, cut
 
-    def bind(self, model, tokenizer) -> None:
-        check_target(model, self.cfg, self.taps, "this DSpark head")
-        V = vocab_size(model)
-        if self.spark.vocab_size != V:
-            raise ValueError(
-                f"this DSpark head drafts over {self.spark.vocab_size} tokens, the target "
-                f"has {V}; reduced draft vocabularies are not supported"
-            )
-        h = self.heads
-        self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
-        self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
-        self.context.reset()
-
-    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        self.context.reset()
-        self.context.add(taps, len(tokens))
-
-    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
-        self.context.add(taps, len(tokens))
-
     def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
-        """Parallel stage: (base logits U [k, V], hidden rows h [k, H]) for anchor y."""
-        if self._embed is None:
-            raise RuntimeError("bind(model, tokenizer) the drafter before using it")
-        x = self._embed(block_inputs(y, self.cfg))
-        if self.cfg.input_embedding_scale != 1.0:
-            x = x * self.cfg.input_embedding_scale
-        h = self.context.forward(x)[:k]  # the whole block runs; k rows are used
-        return self._head(h), h
+        raise NotImplementedError
 
     def _chain(self, U, h, y, sampling) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Sequential stage: Markov-corrected tokens, their q, and step confidences [k]."""
@@ -206,6 +182,50 @@ class DSparkDrafter:
         return Draft(tokens[:n], None if q is None else q[:n])
 
 
+class DSparkDrafter(SparkChain):
+    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
+
+    def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
+                 taps: Sequence, *, confidence_threshold: float | None = None,
+                 cut: str = "mask", sample_drafts: bool = True):
+        self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
+        self.max_draft = min(cfg.block_size, MAX_DRAFT_DEFAULT)
+        self.sample_drafts = sample_drafts
+        self.set_cut(confidence_threshold, cut)
+        self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
+        self._embed = self._head = None
+
+    def bind(self, model, tokenizer) -> None:
+        check_target(model, self.cfg, self.taps, "this DSpark head")
+        V = vocab_size(model)
+        if self.spark.vocab_size != V:
+            raise ValueError(
+                f"this DSpark head drafts over {self.spark.vocab_size} tokens, the target "
+                f"has {V}; reduced draft vocabularies are not supported"
+            )
+        h = self.heads
+        self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
+        self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
+        self.context.reset()
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.reset()
+        self.context.add(taps, len(tokens))
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.add(taps, len(tokens))
+
+    def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
+        """Parallel stage: (base logits U [k, V], hidden rows h [k, H]) for anchor y."""
+        if self._embed is None:
+            raise RuntimeError("bind(model, tokenizer) the drafter before using it")
+        x = self._embed(block_inputs(y, self.cfg))
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * self.cfg.input_embedding_scale
+        h = self.context.forward(x)[:k]  # the whole block runs; k rows are used
+        return self._head(h), h
+
+
 def load(folder, config: dict, model, *, confidence_threshold: float | None = None,
          cut: str = "mask", sample_drafts: bool = True) -> DSparkDrafter:
     """The DSpark drafter stored in a converted head folder (LOADERS["dspark"])."""
@@ -220,18 +240,17 @@ def load(folder, config: dict, model, *, confidence_threshold: float | None = No
                          sample_drafts=sample_drafts)
 
 
-def probe_target(folder, config: dict, model):
+def probe_target(folder, config: dict, model, **options):
     """TARGET_PROBES["dspark"]: DSpark stages inside a DeepSeek-V4 checkpoint (`mtp.*`).
 
-    Not implemented: the stages are full DeepSeek-V4 blocks (MLA with a sliding
-    128-token ring, mHC stream mixing, FP8/FP4 MoE) that cannot be checked here
-    against a real header. Returns None for other folders; refuses these clearly.
+    None when the folder's config has no `dspark_*` fields. Otherwise the
+    drafter over the checkpoint's own stages (`mlx_spec.drafters.dspark_v4`,
+    formats.md §4.3), for a target loaded by mlx-lm's `deepseek_v41` model;
+    clear errors for missing fields or tensors. `options` as for `load`.
     """
     text = config.get("text_config", config)
     if not any(key.startswith("dspark_") for key in text):
         return None
-    raise ValueError(
-        f"{folder} carries DeepSeek-V4 DSpark stages (dspark_* config fields, mtp.* "
-        "tensors); mlx-spec cannot run them yet. Use a DeepSpec DSpark head "
-        "(`mlx-spec convert head SRC OUT --format dspark`) or another drafter"
-    )
+    from .dspark_v4 import probe
+
+    return probe(folder, config, model, **options)

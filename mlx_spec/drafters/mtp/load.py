@@ -100,8 +100,12 @@ def build_head(cfg: MTPConfig, args, weights: dict, quantization: dict | None = 
     return head
 
 
-def probe(folder, config: dict, model) -> MTPDrafter | None:
-    """The MTP drafter of a target checkpoint folder, or None when it has no MTP module."""
+def probe(folder, config: dict, model, **options) -> MTPDrafter | None:
+    """The MTP drafter of a target checkpoint folder, or None when it has no MTP module.
+
+    `options` are meant for another kind's probe (load_drafter asks each in turn);
+    an MTP drafter takes none, so they are refused only when MTP weights are found.
+    """
     family = family_of(config)
     if family is None:
         return None
@@ -110,6 +114,9 @@ def probe(folder, config: dict, model) -> MTPDrafter | None:
     found = extract(Path(folder), config)
     if found is None:
         return None
+    if options:
+        raise ValueError(f"{folder} carries an MTP module; MTP drafters take no options, "
+                         f"got {sorted(options)}")
     cfg, weights, _ = found
     quant = _quantization(config) if any(k.endswith(".scales") for k in weights) else None
     return MTPDrafter(build_head(cfg, args, weights, quant), cfg)

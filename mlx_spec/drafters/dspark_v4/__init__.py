@@ -1,0 +1,17 @@
+"""DSpark inside DeepSeek-V4 checkpoints: the `mtp.{0,1,2}.*` stages (formats.md §4.3).
+
+    drafter = mlx_spec.load_drafter(target_folder, model, kind="dspark")
+    mlx-spec generate --model TARGET_FOLDER --draft dspark ...
+
+The folder is the target's own checkpoint (DeepSeek names, `dspark_*` fields in
+config.json); the target must be loaded by mlx-lm's `deepseek_v41` model. `net`
+holds the stages, `drafter` the Drafter, `load` the weight reading (`probe` is
+what `TARGET_PROBES["dspark"]` ends up calling). See docs/dflash.md.
+"""
+
+from .drafter import V4DSparkDrafter, tap_ids
+from .load import native_name, probe, stage_weights
+from .net import DSparkStages, StageContext, stage_args
+
+__all__ = ["DSparkStages", "StageContext", "V4DSparkDrafter", "native_name", "probe",
+           "stage_args", "stage_weights", "tap_ids"]

@@ -1,0 +1,90 @@
+"""The Drafter over DeepSeek-V4's DSpark stages: context per commit, one block per proposal.
+
+Invariant: `StageContext` holds each stage's K/V for exactly the last `window`
+committed positions, so nothing a proposal computes is ever kept or rolled
+back. The anchor y sits at position p = the committed length; the block
+`[y, noise x (B-1)]` fills positions p .. p+B-1 and row j drafts d_j (position
+p+j+1): anchor-as-first-prediction, B rows give B drafts. The Markov chain, the
+confidences and the cut are DSpark's (`SparkChain`), unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from ...taps import EMBED, decoder_stack
+from ..base import MAX_DRAFT_DEFAULT, vocab_size
+from ..dflash.drafter import target_lm_head
+from ..dspark import SparkChain, SparkConfig
+from .net import DSparkStages, StageContext
+
+
+def tap_ids(layer_ids: Sequence[int]) -> tuple:
+    """dspark_target_layer_ids (input of layer l) -> mlx-spec taps (output of layer l-1)."""
+    return tuple(EMBED if int(l) == 0 else int(l) - 1 for l in layer_ids)
+
+
+class V4DSparkDrafter(SparkChain):
+    """Drafts up to `block_size` tokens per step with the target's own DSpark stages."""
+
+    def __init__(self, net: DSparkStages, spark: SparkConfig, layer_ids: Sequence[int], *,
+                 block_size: int, noise_token_id: int, window: int,
+                 confidence_threshold: float | None = None, cut: str = "mask",
+                 sample_drafts: bool = True):
+        self.net, self.heads, self.spark = net, net, spark
+        self.layer_ids = tuple(int(l) for l in layer_ids)
+        self.taps = tap_ids(self.layer_ids)
+        self.block_size, self.noise_token_id = block_size, noise_token_id
+        self.max_draft = min(block_size, MAX_DRAFT_DEFAULT)
+        self.sample_drafts = sample_drafts
+        self.set_cut(confidence_threshold, cut)
+        self.context = StageContext(net, window)
+        self._embed = self._head = None
+
+    def bind(self, model, tokenizer) -> None:
+        stack, args = decoder_stack(model), self.net.args
+        n, V = len(stack.layers), vocab_size(model)
+        problems = []
+        if not all(0 <= l < n for l in self.layer_ids):
+            problems.append(f"dspark_target_layer_ids {list(self.layer_ids)} need layers 0..{n - 1}")
+        if V != self.spark.vocab_size:
+            problems.append(f"vocabulary {V} vs the stages' {self.spark.vocab_size}")
+        if not 0 <= self.noise_token_id < V:
+            problems.append(f"dspark_noise_token_id {self.noise_token_id} is outside 0..{V - 1}")
+        width = stack.embed_tokens(mx.array([0])).shape[-1]  # shape only
+        if width != args.hidden_size:
+            problems.append(f"hidden size {width} vs the stages' {args.hidden_size}")
+        if problems:
+            raise ValueError("these DeepSeek-V4 DSpark stages do not fit the target: "
+                             + "; ".join(problems) + ". Load the target from the same folder.")
+        self._embed, self._head = stack.embed_tokens, target_lm_head(model)
+        self.context.reset()
+
+    def _add(self, taps: dict | None, n: int) -> None:
+        if taps is None:
+            raise ValueError("the DeepSeek-V4 DSpark drafter needs the target's taps")
+        # A tap is the hc streams [T, hc, H]; the stages read their mean.
+        feats = mx.concatenate([taps[t].mean(axis=1) for t in self.taps], axis=-1)
+        if feats.shape[0] != n:
+            raise ValueError(f"got taps for {feats.shape[0]} positions, expected {n}")
+        self.context.add(feats)
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self.context.reset()
+        self._add(taps, len(tokens))
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        self._add(taps, len(tokens))
+
+    def block_inputs(self, y: int) -> mx.array:
+        return mx.array([y] + [self.noise_token_id] * (self.block_size - 1), dtype=mx.uint32)
+
+    def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
+        """Parallel stage: (base logits U [k, V], pre-norm rows h [k, H]) for anchor y."""
+        if self._embed is None:
+            raise RuntimeError("bind(model, tokenizer) the drafter before using it")
+        x = self._embed(self.block_inputs(y))[None]
+        h, normed = self.net(x, self.context.rows, self.context.end)  # the whole block runs
+        return self._head(normed[:k]), h[:k]

@@ -1,0 +1,214 @@
+"""Reading DeepSeek-V4 DSpark stages (`mtp.{s}.*`) from the target's own checkpoint folder.
+
+Stage tensors use the trunk's DeepSeek names, so they go through the target
+class's own `sanitize` (mlx-lm `deepseek_v41.Model.sanitize`: renaming, FP8/FP4
+repacking, expert stacking), renamed `mtp.{s}.X -> layers.{s}.X` on the way in
+and called with the stages' args (their expert count may differ). The parts
+that are not a block (main_proj/main_norm on the first stage; norm, hc_head,
+Markov and confidence heads on the last) come out top-level. Two layouts:
+
+* V4-Flash-0731: `markov_head.markov_w{1,2}`, `hc_head_{fn,base,scale}`.
+* V4.1 (from a vendored reference, UNVERIFIED): `markov_head.{embed,head}`, no
+  hc_head (the streams are collapsed with the last stage's pre_mix).
+
+Every tensor must land on a parameter of the stages built from the target's
+config, with its shape; anything missing, misshaped or left over is an error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import deepseek_v41 as dsv4
+from mlx_lm.utils import infer_quant_config
+
+from ..dspark import SparkConfig
+from ..mtp.families import load_tensors, tensor_index
+from .drafter import V4DSparkDrafter
+from .net import DSparkStages, stage_args
+
+REQUIRED = ("dspark_block_size", "dspark_target_layer_ids", "dspark_noise_token_id")
+FIRST_ONLY = ("main_proj.", "main_norm.")
+LAST_ONLY = ("norm.", "hc_head_", "markov_head.", "confidence_head.")
+# Routes image tokens (mlx-lm's sanitize drops it from the trunk too); a text drafter never
+# sees one, so it is skipped on purpose.
+IGNORED = (".gate.bias_vl",)
+V41_MARKOV = {"markov_head.embed.weight": "markov_head.markov_w1.weight",
+              "markov_head.head.weight": "markov_head.markov_w2.weight"}
+# mlx-lm name piece -> DeepSeek name piece, for messages and test fixtures (inverse of _rename).
+NATIVE = [(".self_attn.", ".attn."), (".mlp.", ".ffn."), (".input_layernorm.", ".attn_norm."),
+          (".post_attention_layernorm.", ".ffn_norm."), (".attn_hc.", ".hc_attn_"),
+          (".ffn_hc.", ".hc_ffn_"), (".sinks", ".attn_sink"), (".q_a_proj.", ".wq_a."),
+          (".q_b_proj.", ".wq_b."), (".kv_proj.", ".wkv."), (".o_a_proj.", ".wo_a."),
+          (".o_b_proj.", ".wo_b."), (".q_a_norm.", ".q_norm."), (".compressor.kv_norm.", ".compressor.norm."),
+          (".indexer.k_proj.", ".indexer.wk."), (".gate.e_score_correction_bias", ".gate.bias"),
+          (".shared_experts.gate_proj.", ".shared_experts.w1."),
+          (".shared_experts.down_proj.", ".shared_experts.w2."),
+          (".shared_experts.up_proj.", ".shared_experts.w3."),
+          (".experts.switch_mlp.gate_proj.", ".experts.{e}.w1."),
+          (".experts.switch_mlp.down_proj.", ".experts.{e}.w2."),
+          (".experts.switch_mlp.up_proj.", ".experts.{e}.w3."), (".gate_proj.", ".wgate.")]
+
+
+def native_name(key: str) -> str:
+    """An mlx-lm deepseek_v41 parameter name in DeepSeek's checkpoint naming."""
+    if key == "lm_head.weight":
+        return "head.weight"
+    if key == "model.embed_tokens.weight":
+        return "embed.weight"
+    key = "." + key.removeprefix("model.")
+    for mine, theirs in NATIVE:
+        key = key.replace(mine, theirs)
+    return key[1:]
+
+
+def _stage_key(key: str, stage: int, last: int) -> str:
+    """A sanitized stage tensor `layers.{s}.X` -> its DSparkStages parameter name."""
+    rest = key.split(".", 2)[2]
+    if rest.startswith(FIRST_ONLY + LAST_ONLY):
+        if rest.startswith(FIRST_ONLY) and stage != 0 or rest.startswith(LAST_ONLY) and stage != last:
+            where = "the first" if rest.startswith(FIRST_ONLY) else "the last"
+            raise ValueError(f"mtp.{stage}.{rest}: expected only on {where} DSpark stage")
+        return V41_MARKOV.get(rest, rest)
+    return key
+
+
+def stage_weights(raw: dict, args: dsv4.ModelArgs, stages: int) -> dict:
+    """`mtp.{s}.*` tensors (DeepSeek names) -> DSparkStages weights (MLX names and layout)."""
+    renamed = {}
+    for key, value in raw.items():
+        if key.endswith(IGNORED):
+            continue
+        if ".engram." in key:
+            raise ValueError(f"{key}: engram stages are not supported (neither by mlx-lm)")
+        stage = int(key.split(".")[1])
+        if stage >= stages:
+            raise ValueError(f"{key}: the config declares only {stages} DSpark stages "
+                             "(num_nextn_predict_layers)")
+        renamed["layers." + key.split(".", 1)[1]] = value
+    try:  # `sanitize` reads only `self.args`: run it with the stages' args, not the target's
+        clean = dsv4.Model.sanitize(SimpleNamespace(args=args), renamed)
+    except ValueError as e:
+        raise ValueError(f"DSpark stage tensors (mtp.*): {e}") from None
+    out = {}
+    for key, value in clean.items():
+        key = key.removeprefix("model.")
+        out[_stage_key(key, int(key.split(".")[1]), stages - 1)] = value
+    return out
+
+
+def _quantize_as_stored(net: nn.Module, weights: dict) -> None:
+    """Quantize the modules whose tensors carry `.scales`, as mlx-lm's loader would."""
+    nn.quantize(net, class_predicate=lambda path, m: (
+        hasattr(m, "to_quantized") and f"{path}.scales" in weights
+        and infer_quant_config(path, m, weights)))
+
+
+def _quantize_like_target(net: nn.Module, model) -> None:
+    """Unquantized stages of a quantized target: quantize each block module as the
+    same module of the target's layer 0 (class, bits, group size, mode)."""
+    trunk = dict(model.layers[0].named_modules())
+
+    def like(path: str, m: nn.Module):
+        parts = path.split(".")
+        twin = trunk.get(".".join(parts[2:])) if parts[0] == "layers" else None
+        if not hasattr(m, "to_quantized") or not hasattr(twin, "bits"):
+            return False
+        return {"group_size": twin.group_size, "bits": twin.bits,
+                "mode": getattr(twin, "mode", "affine")}
+
+    nn.quantize(net, class_predicate=like)
+
+
+def _source_name(key: str, last: int) -> str:
+    """Where a DSparkStages parameter comes from in the checkpoint (for messages)."""
+    if key.startswith("layers."):
+        return "mtp." + native_name(key).removeprefix("layers.")
+    return f"mtp.{0 if key.startswith(FIRST_ONLY) else last}.{key}"
+
+
+def _load_strict(net: nn.Module, weights: dict, model, folder) -> None:
+    stored_quant = any(k.endswith(".scales") for k in weights)
+    if stored_quant:
+        _quantize_as_stored(net, weights)
+    want = dict(tree_flatten(net.parameters()))
+    hint = "the folder does not hold this target's DeepSeek-V4 DSpark stages (or is damaged)"
+    for key in sorted(set(want) - set(weights)):
+        raise ValueError(f"{folder}: DSpark stage tensor {key} (checkpoint name "
+                         f"{_source_name(key, len(net.layers) - 1)}) is missing, "
+                         f"expected shape {tuple(want[key].shape)}; {hint}")
+    for key in sorted(set(weights) - set(want)):
+        raise ValueError(f"{folder}: unexpected DSpark stage tensor {key} "
+                         f"{tuple(weights[key].shape)}: no such parameter in stages built from "
+                         f"config.json; {hint}")
+    for key, value in want.items():
+        if tuple(weights[key].shape) != tuple(value.shape):
+            raise ValueError(f"{folder}: DSpark stage tensor {key} has shape "
+                             f"{tuple(weights[key].shape)}, expected {tuple(value.shape)} from "
+                             f"config.json; {hint}")
+    net.load_weights(list(weights.items()), strict=True)
+    if not stored_quant:
+        _quantize_like_target(net, model)
+    mx.eval(net.parameters())
+
+
+def _variant(index: dict, last: int, folder) -> tuple[bool, bool]:
+    """(has hc_head, has a confidence bias), refusing a last stage without a Markov head."""
+    p = f"mtp.{last}."
+    if f"{p}markov_head.markov_w1.weight" not in index and f"{p}markov_head.embed.weight" not in index:
+        raise ValueError(
+            f"{folder}: the last DSpark stage has no Markov head: expected "
+            f"{p}markov_head.markov_w1.weight (V4-Flash-0731) or {p}markov_head.embed.weight "
+            "(V4.1); is num_nextn_predict_layers right?")
+    return f"{p}hc_head_fn" in index, f"{p}confidence_head.proj.bias" in index
+
+
+def probe(folder, config: dict, model, *, confidence_threshold: float | None = None,
+          cut: str = "mask", sample_drafts: bool = True) -> V4DSparkDrafter | None:
+    """The DSpark drafter of a DeepSeek-V4 target folder; None without dspark_* fields."""
+    text = config.get("text_config", config)
+    if not any(key.startswith("dspark_") for key in text):
+        return None
+    folder = Path(folder)
+    missing = [k for k in REQUIRED if k not in text]
+    if missing:
+        raise ValueError(f"{folder}: config.json has dspark_* fields but lacks {missing}; "
+                         "is it a complete DeepSeek-V4 DSpark config?")
+    if not isinstance(getattr(model, "args", None), dsv4.ModelArgs):
+        raise ValueError(
+            f"{folder} carries DeepSeek-V4 DSpark stages, which run only on a target loaded "
+            f"by mlx-lm's deepseek_v41 model (model_type deepseek_v41), not "
+            f"{type(model).__module__}.{type(model).__name__}")
+    ids = list(text["dspark_target_layer_ids"])
+    stages = int(text.get("num_nextn_predict_layers") or len(ids))
+    index = tensor_index(folder)
+    names = [k for k in index if k.startswith("mtp.")]
+    if not names:
+        raise ValueError(
+            f"{folder}: config.json declares DeepSeek-V4 DSpark stages but the safetensors "
+            "hold no mtp.* tensors (mlx-lm conversions drop them); point at the original "
+            "DeepSeek checkpoint folder")
+    have = sorted({int(k.split(".")[1]) for k in names})
+    if have != list(range(stages)):
+        raise ValueError(f"{folder}: mtp.* tensors for stages {have}, but config.json declares "
+                         f"{stages} (num_nextn_predict_layers)")
+    hc_head, conf_bias = _variant(index, stages - 1, folder)
+    last = f"mtp.{stages - 1}."
+    rank_key = next(k for k in (f"{last}markov_head.markov_w1.weight", f"{last}markov_head.embed.weight")
+                    if k in index)
+    rank = int(text.get("dspark_markov_rank") or index[rank_key][1][-1])
+    confidence = f"{last}confidence_head.proj.weight" in index
+    args = stage_args(model.args, stages, text)
+    net = DSparkStages(args, len(ids), rank, hc_head=hc_head, confidence=confidence,
+                       confidence_bias=conf_bias)
+    _load_strict(net, stage_weights(load_tensors(index, names), args, stages), model, folder)
+    spark = SparkConfig(vocab_size=args.vocab_size, markov_rank=rank, confidence_head=confidence,
+                        confidence_with_markov=True, confidence_bias=conf_bias)
+    return V4DSparkDrafter(
+        net, spark, ids, block_size=int(text["dspark_block_size"]),
+        noise_token_id=int(text["dspark_noise_token_id"]), window=args.sliding_window,
+        confidence_threshold=confidence_threshold, cut=cut, sample_drafts=sample_drafts)
