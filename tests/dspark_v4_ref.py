@@ -5,6 +5,16 @@
 * `Reference`: the stage forward written from formats.md §4.1/§4.3 and the V4
   block (mHC + attention with sinks + MoE) in NumPy, from the native tensors,
   recomputed from scratch from all committed taps (no cache, no MLX).
+
+The two models differ in five places (`RULES`; sources in docs/dflash.md):
+
+| rule   | V4-Flash-0731 (vLLM dspark.py, 0731 reference ports) | V4.1 (reference model.py dba1be0) |
+|--------|------------------------------------------------------|-----------------------------------|
+| taps   | streams leaving layer l (`h = layer(h)`, then mean)  | streams entering layer l          |
+| mhc    | each sublayer collapses with its own pre             | pre carried one sublayer forward  |
+| qnorm  | q /= rms(q) per head after wq_b, before RoPE         | none                              |
+| kv_fp8 | non-RoPE dims only, blocks of 64                     | the whole vector, blocks of 32    |
+| head   | hc_head(streams)                                     | collapse with the last stage's pre|
 """
 
 from __future__ import annotations
@@ -78,16 +88,34 @@ def sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
-class Reference:
-    """Float64 DSpark-in-V4 forward from native tensors `w` (`mtp.{s}.*`) and a config dict."""
+RULES = {
+    "0731": dict(taps="output", mhc="own", qnorm=True, kv_fp8="nope64", head="hc_head"),
+    "v41": dict(taps="input", mhc="carried", qnorm=False, kv_fp8="all32", head="pre"),
+}
 
-    def __init__(self, w: dict, cfg: dict, layer_ids, block: int, noise: int, stages: int = 3):
+
+class Reference:
+    """Float64 DSpark-in-V4 forward from native tensors `w` (`mtp.{s}.*`) and a config dict.
+
+    The variant follows the Markov head's names; `flip` overrides single rules (to show
+    that a test would see each one)."""
+
+    def __init__(self, w: dict, cfg: dict, layer_ids, block: int, noise: int, stages: int = 3,
+                 **flip):
         self.w = {k: np.asarray(v, np.float64) for k, v in w.items()}
         self.c, self.ids, self.B, self.noise, self.S = cfg, list(layer_ids), block, noise, stages
         self.eps = cfg["rms_norm_eps"]
         head = f"mtp.{stages - 1}.markov_head."
-        names = ("embed", "head") if head + "embed.weight" in self.w else ("markov_w1", "markov_w2")  # V4.1
+        self.variant = "v41" if head + "embed.weight" in self.w else "0731"
+        names = ("embed", "head") if self.variant == "v41" else ("markov_w1", "markov_w2")
         self.m1, self.m2 = (self.w[f"{head}{n}.weight"] for n in names)
+        self.rule = {**RULES[self.variant], **flip}
+
+    def taps(self) -> tuple:
+        """The target hidden states read, as mlx-spec tap ids (k: leaving layer k)."""
+        if self.rule["taps"] == "output":
+            return tuple(self.ids)
+        return tuple("embed" if l == 0 else l - 1 for l in self.ids)
 
     def rms(self, x, weight=None):
         y = x / np.sqrt((x * x).mean(-1, keepdims=True) + self.eps)
@@ -124,15 +152,21 @@ class Reference:
         return pre, post, comb
 
     def kv(self, p, x, pos):
-        kv = self.rms(x @ self.w[p + "attn.wkv.weight"].T, self.w[p + "attn.kv_norm.weight"])
-        return fp8_round(self.rope(kv, pos))
+        kv = self.rope(self.rms(x @ self.w[p + "attn.wkv.weight"].T, self.w[p + "attn.kv_norm.weight"]), pos)
+        if self.rule["kv_fp8"] == "all32":
+            return fp8_round(kv, 32)
+        rd = self.c["qk_rope_head_dim"]
+        return np.concatenate([fp8_round(kv[:, :-rd], 64), kv[:, -rd:]], -1)
 
     def attention(self, p, x, ctx, pos):
         """DSpark attention: block rows x [B,H] see [ctx rows ; all block rows], with sinks."""
         nh, hd, g = self.c["num_attention_heads"], self.c["head_dim"], self.c["o_groups"]
         B = x.shape[0]
         q = self.rms(x @ self.w[p + "attn.wq_a.weight"].T, self.w[p + "attn.q_norm.weight"])
-        q = self.rope((q @ self.w[p + "attn.wq_b.weight"].T).reshape(B, nh, hd), pos)
+        q = (q @ self.w[p + "attn.wq_b.weight"].T).reshape(B, nh, hd)
+        if self.rule["qnorm"]:
+            q = self.rms(q)  # per head, over head_dim, no weight
+        q = self.rope(q, pos)
         keys = np.concatenate([ctx, self.kv(p, x, pos)])  # [C+B, hd], K = V
         s = np.einsum("bhd,kd->bhk", q, keys) / np.sqrt(hd)
         sink = self.w[p + "attn.attn_sink"][None, :, None]
@@ -172,16 +206,19 @@ class Reference:
         pre_mix[:, 0] = 1
         for s in range(self.S):
             p = f"mtp.{s}."
+            own = self.rule["mhc"] == "own"
             a_pre, a_post, a_comb = self.hc(streams, p, "attn")
-            h = self.rms((pre_mix[..., None] * streams).sum(1), self.w[p + "attn_norm.weight"])
+            mix = a_pre if own else pre_mix
+            h = self.rms((mix[..., None] * streams).sum(1), self.w[p + "attn_norm.weight"])
             h = self.attention(p, h, self.kv(p, m, ctx_pos).reshape(-1, self.c["head_dim"]), pos)
             streams = a_post[..., None] * h[:, None] + np.einsum("tij,tih->tjh", a_comb, streams)
             f_pre, f_post, f_comb = self.hc(streams, p, "ffn")
-            h = self.moe(p, self.rms((a_pre[..., None] * streams).sum(1), self.w[p + "ffn_norm.weight"]))
+            mix = f_pre if own else a_pre
+            h = self.moe(p, self.rms((mix[..., None] * streams).sum(1), self.w[p + "ffn_norm.weight"]))
             streams = f_post[..., None] * h[:, None] + np.einsum("tij,tih->tjh", f_comb, streams)
             pre_mix = f_pre
         last = f"mtp.{self.S - 1}."
-        if last + "hc_head_fn" in self.w:  # hc_head: sigmoid(mix * scale + base) + eps
+        if self.rule["head"] == "hc_head":  # sigmoid(mix * scale + base) + eps
             mix = self.rms(streams.reshape(self.B, -1)) @ self.w[last + "hc_head_fn"].T
             pre_mix = sigmoid(mix * self.w[last + "hc_head_scale"] + self.w[last + "hc_head_base"]) + self.c["hc_eps"]
         x = (pre_mix[..., None] * streams).sum(1)
@@ -204,10 +241,11 @@ class Reference:
 FP8_KEYS = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "shared_experts.", "main_proj.")
 
 
-def packed(w: dict, seed: int = 0) -> tuple[dict, dict]:
-    """(stored, dequantized): FP8 e4m3 bytes + 32x32-tile ue8m0 scales for the dense stage
-    weights, FP4 (e2m1, two per byte) + 1x32 ue8m0 scales for the routed experts, as in the
-    V4 checkpoints (formats.md §4.3); `dequantized` holds the float values they encode."""
+def packed(w: dict, seed: int = 0, tile: int = 32) -> tuple[dict, dict]:
+    """(stored, dequantized): FP8 e4m3 bytes + `tile`x`tile` ue8m0 scales for the dense stage
+    weights (0731: 128, V4.1: 32; the last tile row/column may be partial), FP4 (e2m1, two
+    per byte) + 1x32 ue8m0 scales for the routed experts, as in the V4 checkpoints
+    (formats.md §4.3); `dequantized` holds the float values they encode."""
     import mlx.core as mx
 
     rng, stored, plain = np.random.default_rng(seed), {}, dict(w)
@@ -219,8 +257,10 @@ def packed(w: dict, seed: int = 0) -> tuple[dict, dict]:
             stored[k], stored[k[:-6] + "scale"] = q.view(mx.int8), s
             plain[k] = np.array(mx.dequantize(q, s, group_size=32, bits=4, mode="mxfp4").astype(mx.float32))
         elif any(p in k for p in FP8_KEYS):
-            tiles = rng.integers(125, 129, (v.shape[0] // 32, v.shape[1] // 32)).astype(np.uint8)
-            scale = np.repeat(np.repeat(2.0 ** (tiles.astype(np.float64) - 127), 32, 0), 32, 1)
+            grid = (-(-v.shape[0] // tile), -(-v.shape[1] // tile))
+            tiles = rng.integers(125, 129, grid).astype(np.uint8)
+            scale = np.repeat(np.repeat(2.0 ** (tiles.astype(np.float64) - 127), tile, 0), tile, 1)
+            scale = scale[: v.shape[0], : v.shape[1]]
             b = mx.to_fp8(mx.array((v / scale).astype(np.float32)))
             stored[k], stored[k[:-6] + "scale"] = b, mx.array(tiles)
             plain[k] = np.array(mx.from_fp8(b, mx.float32), np.float64) * scale

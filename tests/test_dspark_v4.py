@@ -2,7 +2,8 @@
 
 The target is a tiny mlx-lm `deepseek_v41` model (window 8, one pooled layer)
 saved in DeepSeek's own tensor names next to synthetic `mtp.{0,1,2}.*` stages,
-and loaded back through mlx-lm's `load_model` (its `sanitize`).
+and loaded back through mlx-lm's `load_model` (its `sanitize`). Both namings run:
+"0731" (V4-Flash-0731 arithmetic) and "v41" (V4.1); `R.RULES` lists how they differ.
 """
 
 import argparse
@@ -21,13 +22,17 @@ import dspark_v4_ref as R
 import mlx_spec
 import tiny
 from mlx_spec.drafters.dspark_v4 import V4DSparkDrafter, native_name
+from mlx_spec.drafters.dspark_v4.load import fp8_tile
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import Taps
 
-WINDOW, BLOCK, NOISE, IDS = 8, 5, 95, [1, 2, 3]  # IDS: inputs of layers 1..3 (taps 0..2)
+WINDOW, BLOCK, NOISE, IDS = 8, 5, 95, [1, 2, 3]
+TAPS = {"0731": (1, 2, 3), "v41": (0, 1, 2)}  # leaving layers 1..3 | entering layers 1..3
+# 96 - 32 = 64 non-RoPE K/V dims: one 0731 FP8 block of 64, two V4.1 blocks of 32.
+DIMS = {"head_dim": 96, "qk_rope_head_dim": 32, "index_head_dim": 32}
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 12]
-CONFIG = {**tiny.DEEPSEEK_V41, "sliding_window": WINDOW, "dspark_block_size": BLOCK,
+CONFIG = {**tiny.DEEPSEEK_V41, **DIMS, "sliding_window": WINDOW, "dspark_block_size": BLOCK,
           "dspark_target_layer_ids": IDS, "dspark_noise_token_id": NOISE,
           "num_nextn_predict_layers": 3}
 _state = {}
@@ -51,7 +56,7 @@ def greedy(model, prompt, n):
 def target(tmp_path_factory):
     """(mlx-lm-loaded target, its DeepSeek-named trunk, the bigram its greedy output follows)."""
     if "t" not in _state:
-        made = tiny.deepseek_v41_model(seed=1, window=WINDOW)
+        made = tiny.deepseek_v41_model(seed=1, window=WINDOW, **DIMS)
         trunk = trunk_tensors(made)
         folder = tmp_path_factory.mktemp("trunk")
         write(folder, CONFIG, trunk)
@@ -96,8 +101,8 @@ def folder_with(tmp_path, tmp_path_factory, variant="0731", trained=False, **kw)
     return folder, model, w
 
 
-def reference(w):
-    return R.Reference(w, CONFIG, IDS, BLOCK, NOISE)
+def reference(w, **flip):
+    return R.Reference(w, CONFIG, IDS, BLOCK, NOISE, **flip)
 
 
 def tap_means(model, seq, taps) -> np.ndarray:
@@ -126,10 +131,11 @@ def target_arrays(model):
 def test_stage_forward_and_chain_match_numpy_across_commits(tmp_path, tmp_path_factory, variant):
     folder, model, w = folder_with(tmp_path, tmp_path_factory, variant)
     d = load_drafter(folder, model)  # no kind: found through TARGET_PROBES
-    assert isinstance(d, V4DSparkDrafter) and d.taps == (0, 1, 2) and d.max_draft == BLOCK
+    ref, (E, head) = reference(w), target_arrays(model)
+    assert isinstance(d, V4DSparkDrafter) and d.max_draft == BLOCK and d.net.variant == variant
+    assert d.taps == ref.taps() == TAPS[variant]
     assert ("hc_head_fn" in d.net) == (variant == "0731")
     d.bind(model, None)
-    ref, (E, head) = reference(w), target_arrays(model)
     seq = [int(t) for t in np.random.default_rng(2).integers(0, 90, 40)]
     taps, cat = raw_taps(model, seq, d.taps), tap_means(model, seq, d.taps)
     d.prefill(seq[:12], {i: v[:12] for i, v in taps.items()})  # 12 > the 8-row window
@@ -155,11 +161,14 @@ def test_stage_forward_and_chain_match_numpy_across_commits(tmp_path, tmp_path_f
         done += step
 
 
-def test_fp8_fp4_stage_tensors_are_repacked_and_match_numpy(tmp_path, tmp_path_factory):
-    """DeepSeek's packed storage: e4m3 bytes + 32x32 ue8m0 tiles, experts e2m1 + 1x32 scales."""
+@pytest.mark.parametrize("variant,tile", [("0731", 128), ("v41", 32)])
+def test_fp8_fp4_stage_tensors_are_repacked_and_match_numpy(tmp_path, tmp_path_factory, variant, tile):
+    """DeepSeek's packed storage: e4m3 bytes + ue8m0 tiles (0731: 128x128, V4.1: 32x32),
+    experts e2m1 + 1x32 scales."""
     model, trunk, _ = target(tmp_path_factory)
-    w, rank = stages()
-    stored, plain = R.packed(w)
+    w, rank = stages(variant)
+    stored, plain = R.packed(w, tile=tile)
+    assert stored["mtp.0.main_proj.scale"].shape == (-(-64 // tile), -(-192 // tile))
     write(tmp_path, {**CONFIG, "dspark_markov_rank": rank}, {**trunk, **stored})
     d = load_drafter(tmp_path, model, kind="dspark")
     attn, experts = d.net.layers[1].self_attn, d.net.layers[1].mlp.experts.switch_mlp
@@ -173,6 +182,47 @@ def test_fp8_fp4_stage_tensors_are_repacked_and_match_numpy(tmp_path, tmp_path_f
     h_ref, normed = reference(plain).block(tap_means(model, seq, d.taps), 9, target_arrays(model)[0])
     np.testing.assert_allclose(np.array(h), h_ref, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(np.array(U), normed @ target_arrays(model)[1].T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["0731", "v41"])
+def test_each_rule_that_differs_between_the_variants_is_seen(tmp_path, tmp_path_factory, variant):
+    """The NumPy reference with any one of the five rules of the other model no longer
+    matches the drafter: the test above pins each difference (taps, mHC wiring, q norm,
+    K/V FP8 rounding, final collapse)."""
+    folder, model, w = folder_with(tmp_path, tmp_path_factory, variant)
+    d = load_drafter(folder, model, kind="dspark")
+    d.bind(model, None)
+    seq, E = PROMPT + [3, 4, 5], target_arrays(model)[0]
+    d.prefill(seq, raw_taps(model, seq, d.taps))
+    h = np.array(d.step_logits(9, BLOCK)[1])
+    other = R.RULES["v41" if variant == "0731" else "0731"]
+    hc_head = {k: v for k, v in stages("0731")[0].items() if "hc_head_" in k}  # for v41's flip
+    for rule in R.RULES[variant]:
+        ref = reference({**hc_head, **w}, **{rule: other[rule]})
+        h_ref, _ = ref.block(tap_means(model, seq, ref.taps()), 9, E)
+        assert np.abs(h - h_ref).max() > 1e-2, rule
+
+
+def test_0731_config_with_one_nextn_layer_loads_its_three_stages(tmp_path, tmp_path_factory):
+    """V4-Flash-0731's HF config says num_nextn_predict_layers 1 (n_mtp_layers 3 is only in
+    inference/config.json): the stages present are counted."""
+    folder, model, _ = folder_with(tmp_path, tmp_path_factory, num_nextn_predict_layers=1)
+    d = load_drafter(folder, model, kind="dspark")
+    assert len(d.net.layers) == 3 and d.net.variant == "0731"
+
+
+def test_fp8_scale_grid_that_fits_no_tile_is_refused(tmp_path, tmp_path_factory):
+    assert fp8_tile((4096, 12288), (32, 96)) == 128  # 0731 main_proj (real header)
+    assert fp8_tile((8192, 4096), (64, 32)) == 128  # 0731 wo_a
+    assert fp8_tile((4096, 12288), (128, 384)) == 32
+    assert fp8_tile((96, 64), (1, 1)) == 128 and fp8_tile((4096, 12288), (30, 96)) is None
+    model, trunk, _ = target(tmp_path_factory)
+    w, rank = stages()
+    stored, _ = R.packed(w, tile=128)
+    stored["mtp.0.main_proj.scale"] = mx.zeros((3, 5), dtype=mx.uint8)
+    write(tmp_path, {**CONFIG, "dspark_markov_rank": rank}, {**trunk, **stored})
+    with pytest.raises(ValueError, match=r"main_proj\.scale: a scale grid \(3, 5\).*fits no square tile"):
+        load_drafter(tmp_path, model, kind="dspark")
 
 
 def run(model, d, n, k=BLOCK, **kw):
@@ -200,9 +250,11 @@ def reference_steps(model, d, ref, got, k, threshold=None):
     return steps
 
 
+@pytest.mark.parametrize("variant", ["0731", "v41"])
 @pytest.mark.parametrize("threshold", [None, 0.3])
-def test_greedy_is_the_targets_own_and_tau_equals_numpy(tmp_path, tmp_path_factory, threshold):
-    folder, model, w = folder_with(tmp_path, tmp_path_factory, trained=True)
+def test_greedy_is_the_targets_own_and_tau_equals_numpy(tmp_path, tmp_path_factory, threshold,
+                                                         variant):
+    folder, model, w = folder_with(tmp_path, tmp_path_factory, variant, trained=True)
     d = load_drafter(folder, model, kind="dspark", confidence_threshold=threshold, cut="sync")
     got, stats = run(model, d, n=48)  # 11 + 48 positions: far past the 8-row window
     assert got == greedy(model, PROMPT, 48)
@@ -214,7 +266,7 @@ def test_greedy_is_the_targets_own_and_tau_equals_numpy(tmp_path, tmp_path_facto
             assert (a[:cut] >= threshold).all() and (cut == BLOCK or a[cut] < threshold)
         assert {s[3] for s in steps} - {BLOCK}, "the cut never acted"
     tau_ref = np.mean([s[1] + 1 for s in steps])
-    print(f"DeepSeek-V4 DSpark synthetic tau (threshold {threshold}): drafter {stats.tau:.3f}, "
+    print(f"DeepSeek-V4 DSpark {variant} synthetic tau (threshold {threshold}): drafter {stats.tau:.3f}, "
           f"NumPy {tau_ref:.3f}")
     assert stats.tau == pytest.approx(tau_ref) and stats.tau > 1.3
 
@@ -233,8 +285,10 @@ def test_other_modes_keep_the_output(tmp_path, tmp_path_factory, variant):
     assert a == b and stats.drafted > 0
 
 
-def test_quantized_target_gets_quantized_stages_and_stays_lossless(tmp_path, tmp_path_factory):
-    folder, _, _ = folder_with(tmp_path, tmp_path_factory, trained=True)
+@pytest.mark.parametrize("variant", ["0731", "v41"])
+def test_quantized_target_gets_quantized_stages_and_stays_lossless(tmp_path, tmp_path_factory,
+                                                                   variant):
+    folder, _, _ = folder_with(tmp_path, tmp_path_factory, variant, trained=True)
     qmodel, _ = load_model(folder)
     nn.quantize(qmodel, group_size=32, bits=8, class_predicate=lambda p, m: (
         p.startswith("model.layers.") and isinstance(m, nn.Linear) and m.weight.shape[-1] % 32 == 0))
@@ -261,12 +315,15 @@ def _edit_drop(key):
 
 
 BAD = {
-    "missing tensor": (lambda w, c: w.pop("mtp.1.attn.wkv.weight"), r"mtp\.1\.attn\.wkv\.weight.*missing.*\(32, 64\)"),
+    "missing tensor": (lambda w, c: w.pop("mtp.1.attn.wkv.weight"), r"mtp\.1\.attn\.wkv\.weight.*missing.*\(96, 64\)"),
     "misshaped tensor": (lambda w, c: w.update({"mtp.0.main_proj.weight": w["mtp.0.main_proj.weight"][:, :128]}),
                          r"main_proj\.weight has shape \(64, 128\), expected \(64, 192\)"),
     "missing field": (lambda w, c: c.pop("dspark_noise_token_id"), "lacks \\['dspark_noise_token_id'\\]"),
     "no stages": (lambda w, c: [w.pop(k) for k in list(w)], r"no mtp\.\* tensors"),
-    "stage count": (lambda w, c: c.update(num_nextn_predict_layers=2), "declares 2"),
+    "stage gap": (lambda w, c: [w.pop(k) for k in list(w) if k.startswith("mtp.1.")], "none missing"),
+    "n_mtp_layers": (lambda w, c: c.update(n_mtp_layers=2), "declares n_mtp_layers 2"),
+    "more stages declared": (lambda w, c: c.update(num_nextn_predict_layers=4), "only 3 DSpark stages"),
+    "mixed namings": (lambda w, c: w.pop("mtp.2.hc_head_fn"), "mixes the two namings"),
     "stray head part": (lambda w, c: w.update({"mtp.0.norm.weight": w["mtp.2.norm.weight"]}),
                         "expected only on the last"),
     "unknown tensor": (lambda w, c: w.update({"mtp.1.attn.extra.weight": np.ones((2, 2), np.float32)}),
@@ -304,7 +361,7 @@ def test_sampled_output_follows_the_target_distribution(tmp_path):
     from stats_utils import chi2_pvalue, exact_marginals
 
     V8 = 8
-    model = tiny.deepseek_v41_model(seed=3, window=4, sharpen=2.0, vocab_size=V8)
+    model = tiny.deepseek_v41_model(seed=3, window=4, sharpen=2.0, vocab_size=V8, **DIMS)
     config = {**CONFIG, "vocab_size": V8, "sliding_window": 4, "dspark_block_size": 3,
               "dspark_noise_token_id": V8 - 1, "dspark_markov_rank": 4}
     w = R.stage_tensors(np.random.default_rng(4), config, "0731", len(IDS), 4)

@@ -4,9 +4,11 @@
     mlx-spec generate --model TARGET_FOLDER --draft dspark ...
 
 The folder is the target's own checkpoint (DeepSeek names, `dspark_*` fields in
-config.json); the target must be loaded by mlx-lm's `deepseek_v41` model. `net`
-holds the stages, `drafter` the Drafter, `load` the weight reading (`probe` is
-what `TARGET_PROBES["dspark"]` ends up calling). See docs/dflash.md.
+config.json); the target must be loaded by mlx-lm's `deepseek_v41` model (mlx-lm
+0.32.2 loads no real V4-Flash-0731 or V4.1-Flash checkpoint). Two variants, "0731"
+and "v41", picked by the tensor names: `net` holds the stages (`flash` the 0731
+arithmetic), `drafter` the Drafter, `load` the weight reading (`probe` is what
+`TARGET_PROBES["dspark"]` ends up calling). See docs/dflash.md.
 """
 
 from .drafter import V4DSparkDrafter, tap_ids

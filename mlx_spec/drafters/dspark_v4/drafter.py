@@ -21,8 +21,14 @@ from ..dspark import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
 
 
-def tap_ids(layer_ids: Sequence[int]) -> tuple:
-    """dspark_target_layer_ids (input of layer l) -> mlx-spec taps (output of layer l-1)."""
+def tap_ids(layer_ids: Sequence[int], variant: str) -> tuple:
+    """dspark_target_layer_ids -> mlx-spec taps (tap k = the output of layer k).
+
+    V4.1 reads the streams entering layer l (tap l-1, the embedding for l = 0);
+    V4-Flash-0731 reads the streams leaving layer l (tap l). See docs/dflash.md.
+    """
+    if variant == "0731":
+        return tuple(int(l) for l in layer_ids)
     return tuple(EMBED if int(l) == 0 else int(l) - 1 for l in layer_ids)
 
 
@@ -35,7 +41,7 @@ class V4DSparkDrafter(SparkChain):
                  sample_drafts: bool = True):
         self.net, self.heads, self.spark = net, net, spark
         self.layer_ids = tuple(int(l) for l in layer_ids)
-        self.taps = tap_ids(self.layer_ids)
+        self.taps = tap_ids(self.layer_ids, net.variant)
         self.block_size, self.noise_token_id = block_size, noise_token_id
         self.max_draft = min(block_size, MAX_DRAFT_DEFAULT)
         self.sample_drafts = sample_drafts

@@ -7,12 +7,16 @@ and called with the stages' args (their expert count may differ). The parts
 that are not a block (main_proj/main_norm on the first stage; norm, hc_head,
 Markov and confidence heads on the last) come out top-level. Two layouts:
 
-* V4-Flash-0731: `markov_head.markov_w{1,2}`, `hc_head_{fn,base,scale}`.
-* V4.1 (from a vendored reference, UNVERIFIED): `markov_head.{embed,head}`, no
-  hc_head (the streams are collapsed with the last stage's pre_mix).
+* "0731" (V4-Flash-0731): `markov_head.markov_w{1,2}`, `hc_head_{fn,base,scale}`;
+  its arithmetic differs from V4.1's (net.py, flash.py).
+* "v41" (V4.1, from a vendored reference): `markov_head.{embed,head}`, no hc_head.
 
-Every tensor must land on a parameter of the stages built from the target's
-config, with its shape; anything missing, misshaped or left over is an error.
+The stages are the `mtp.0 .. mtp.{S-1}` present (0731's HF config says
+`num_nextn_predict_layers: 1` for its 3 stages). FP8 `.scale` grids are read as
+square tiles whose size follows from the shapes (0731: 128x128, V4.1: 32x32) and
+brought to mlx-lm's 32x32 layout before `sanitize`. Every tensor must land on a
+parameter of the stages built from the target's config, with its shape; anything
+missing, misshaped or left over is an error.
 """
 
 from __future__ import annotations
@@ -77,18 +81,51 @@ def _stage_key(key: str, stage: int, last: int) -> str:
     return key
 
 
+def fp8_tile(weight: tuple, scale: tuple) -> int | None:
+    """The square tile (32, 64, 128, ...) of an FP8 weight's block-scale grid, None if none fits.
+
+    Only powers of two are tried: two of them that give the same grid (ceil division)
+    assign every weight row and column to the same scale, so the answer is unique."""
+    (rows, cols), (srows, scols) = weight[-2:], scale[-2:]
+    tile = 32
+    while tile <= 2 * max(rows, cols):
+        if -(-rows // tile) == srows and -(-cols // tile) == scols:
+            return tile
+        tile *= 2
+    return None
+
+
+def _to_32_tiles(raw: dict) -> dict:
+    """Dense FP8 weights' tile scales -> the 32x32 grid mlx-lm's `sanitize` expects."""
+    out = dict(raw)
+    for key, scale in raw.items():
+        weight = raw.get(key.removesuffix("scale") + "weight") if key.endswith(".scale") else None
+        if weight is None or scale.ndim != 2 or scale.shape[0] == weight.shape[0]:
+            continue  # not a tile grid (experts keep one scale row per weight row)
+        tile = fp8_tile(weight.shape, scale.shape)
+        if tile is None:
+            raise ValueError(
+                f"{key}: a scale grid {tuple(scale.shape)} for the FP8 weight "
+                f"{tuple(weight.shape)} fits no square tile (32x32, 64x64, 128x128, ...); "
+                "the checkpoint is damaged or in an unknown FP8 layout")
+        k = tile // 32
+        if k > 1:
+            out[key] = mx.repeat(mx.repeat(scale, k, axis=0), k, axis=1)[
+                : -(-weight.shape[0] // 32), : -(-weight.shape[1] // 32)]
+    return out
+
+
 def stage_weights(raw: dict, args: dsv4.ModelArgs, stages: int) -> dict:
     """`mtp.{s}.*` tensors (DeepSeek names) -> DSparkStages weights (MLX names and layout)."""
     renamed = {}
-    for key, value in raw.items():
+    for key, value in _to_32_tiles(raw).items():
         if key.endswith(IGNORED):
             continue
         if ".engram." in key:
             raise ValueError(f"{key}: engram stages are not supported (neither by mlx-lm)")
         stage = int(key.split(".")[1])
         if stage >= stages:
-            raise ValueError(f"{key}: the config declares only {stages} DSpark stages "
-                             "(num_nextn_predict_layers)")
+            raise ValueError(f"{key}: expected only {stages} DSpark stages")
         renamed["layers." + key.split(".", 1)[1]] = value
     try:  # `sanitize` reads only `self.args`: run it with the stages' args, not the target's
         clean = dsv4.Model.sanitize(SimpleNamespace(args=args), renamed)
@@ -156,15 +193,44 @@ def _load_strict(net: nn.Module, weights: dict, model, folder) -> None:
     mx.eval(net.parameters())
 
 
-def _variant(index: dict, last: int, folder) -> tuple[bool, bool]:
-    """(has hc_head, has a confidence bias), refusing a last stage without a Markov head."""
+def _variant(index: dict, last: int, folder) -> tuple[str, bool]:
+    """("0731" | "v41", has a confidence bias), refusing a last stage without a Markov head."""
     p = f"mtp.{last}."
     if f"{p}markov_head.markov_w1.weight" not in index and f"{p}markov_head.embed.weight" not in index:
         raise ValueError(
             f"{folder}: the last DSpark stage has no Markov head: expected "
             f"{p}markov_head.markov_w1.weight (V4-Flash-0731) or {p}markov_head.embed.weight "
             "(V4.1); is num_nextn_predict_layers right?")
-    return f"{p}hc_head_fn" in index, f"{p}confidence_head.proj.bias" in index
+    variant = "0731" if f"{p}markov_head.markov_w1.weight" in index else "v41"
+    if (variant == "0731") != (f"{p}hc_head_fn" in index):
+        raise ValueError(
+            f"{folder}: the last DSpark stage mixes the two namings: "
+            + ("markov_w1/markov_w2 (V4-Flash-0731) without hc_head_fn" if variant == "0731"
+               else "markov_head.embed/head (V4.1) with hc_head_fn")
+            + "; the stage arithmetic depends on which model this is")
+    return variant, f"{p}confidence_head.proj.bias" in index
+
+
+def _stage_count(text: dict, names: list, folder) -> int:
+    """S from the mtp.* tensors present, which must be mtp.0 .. mtp.{S-1}.
+
+    `num_nextn_predict_layers` is not the count (V4-Flash-0731's HF config says 1 for
+    its 3 stages); it may only not exceed it. `n_mtp_layers` (the reference's own
+    name), when a config carries it, must equal it."""
+    have = sorted({int(k.split(".")[1]) for k in names})
+    stages = len(have)
+    if have != list(range(stages)):
+        raise ValueError(f"{folder}: mtp.* tensors for stages {have}: DSpark stages must be "
+                         f"mtp.0 .. mtp.{have[-1]} with none missing")
+    declared = text.get("n_mtp_layers")
+    if declared is not None and int(declared) != stages:
+        raise ValueError(f"{folder}: config.json declares n_mtp_layers {declared}, but the "
+                         f"safetensors hold {stages} DSpark stages (mtp.0 .. mtp.{stages - 1})")
+    nextn = text.get("num_nextn_predict_layers")
+    if nextn is not None and int(nextn) > stages:
+        raise ValueError(f"{folder}: config.json declares num_nextn_predict_layers {nextn}, "
+                         f"but the safetensors hold only {stages} DSpark stages")
+    return stages
 
 
 def probe(folder, config: dict, model, *, confidence_threshold: float | None = None,
@@ -184,7 +250,6 @@ def probe(folder, config: dict, model, *, confidence_threshold: float | None = N
             f"by mlx-lm's deepseek_v41 model (model_type deepseek_v41), not "
             f"{type(model).__module__}.{type(model).__name__}")
     ids = list(text["dspark_target_layer_ids"])
-    stages = int(text.get("num_nextn_predict_layers") or len(ids))
     index = tensor_index(folder)
     names = [k for k in index if k.startswith("mtp.")]
     if not names:
@@ -192,18 +257,15 @@ def probe(folder, config: dict, model, *, confidence_threshold: float | None = N
             f"{folder}: config.json declares DeepSeek-V4 DSpark stages but the safetensors "
             "hold no mtp.* tensors (mlx-lm conversions drop them); point at the original "
             "DeepSeek checkpoint folder")
-    have = sorted({int(k.split(".")[1]) for k in names})
-    if have != list(range(stages)):
-        raise ValueError(f"{folder}: mtp.* tensors for stages {have}, but config.json declares "
-                         f"{stages} (num_nextn_predict_layers)")
-    hc_head, conf_bias = _variant(index, stages - 1, folder)
+    stages = _stage_count(text, names, folder)
+    variant, conf_bias = _variant(index, stages - 1, folder)
     last = f"mtp.{stages - 1}."
     rank_key = next(k for k in (f"{last}markov_head.markov_w1.weight", f"{last}markov_head.embed.weight")
                     if k in index)
     rank = int(text.get("dspark_markov_rank") or index[rank_key][1][-1])
     confidence = f"{last}confidence_head.proj.weight" in index
     args = stage_args(model.args, stages, text)
-    net = DSparkStages(args, len(ids), rank, hc_head=hc_head, confidence=confidence,
+    net = DSparkStages(args, len(ids), rank, variant=variant, confidence=confidence,
                        confidence_bias=conf_bias)
     _load_strict(net, stage_weights(load_tensors(index, names), args, stages), model, folder)
     spark = SparkConfig(vocab_size=args.vocab_size, markov_rank=rank, confidence_head=confidence,

@@ -1,24 +1,29 @@
 """The DSpark stages of a DeepSeek-V4 checkpoint (`mtp.{0..S-1}.*`) as one MLX module.
 
-Per committed position t (formats.md §4.3; input-of-layer taps, hc streams averaged):
+Per committed position t (formats.md §4.3; taps are hc-stream means, see drafter.py):
 
     m_t      = main_norm(main_proj([mean_c tap_1(t) ; ... ; mean_c tap_n(t)]))   # [H], once
     ctx_s(t) = fp8(RoPE_t(kv_norm_s(kv_proj_s(m_t))))        # per stage s; last `window` kept
 
 Per proposal, anchor y at position p (= the committed length), B block rows:
 
-    streams = embed([y, noise x (B-1)]) copied to the hc streams; pre_mix = one-hot(stream 0)
-    stage s = mlx-lm's own `DecoderLayer` (mHC mixing, attention with sinks, MoE), its
-              attention window being [ctx_s ; the block's own K/V] with every row visible
-              to every block query (non-causal), queries at positions p .. p+B-1
-    x = hc_head(streams)  (V4-Flash-0731)  |  collapse(streams, last stage's pre_mix)  (V4.1)
+    streams = embed([y, noise x (B-1)]) copied to the hc streams
+    stage s : mHC-wrapped attention (sinks) over [ctx_s ; the block's own K/V], every row
+              visible to every block query (non-causal), queries at positions p .. p+B-1,
+              then the mHC-wrapped MoE
     U = target lm_head(norm(x))  [B, V];  h = x (pre-norm) feeds the confidence head
 
-The stages reuse mlx-lm's DecoderLayer and Attention unchanged: a stage's
-attention reads its window through `cache.update_window(kv)`, so the drafter
-passes a `_BlockWindow` holding the context rows, and window indices that show
-every row to every query. Like the trunk's window, all attended K/V are rounded
-through FP8 (mlx-lm `_fake_quant_fp8`; the reference's `act_quant`).
+Two variants, chosen by the tensors present (load.py):
+
+* "v41" (DeepSeek-V4.1): each stage is mlx-lm's own `DecoderLayer` unchanged (the
+  attention input collapsed with the pre-mix carried from the previous sublayer, a
+  one-hot seed for the first; K/V FP8-rounded whole in blocks of 32, mlx-lm's
+  `_fake_quant_fp8`), and x = collapse(streams, last stage's pre-mix). The stage's
+  attention reads its window through `cache.update_window(kv)`, so the drafter passes
+  a `_BlockWindow` holding the context rows, and indices that show every row.
+* "0731" (DeepSeek-V4-Flash-0731): the same modules composed as in flash.py (own pre
+  per sublayer, per-head q RMS norm, K/V non-RoPE dims rounded in blocks of 64), and
+  x = hc_head(streams).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import mlx.nn as nn
 from mlx_lm.models import deepseek_v41 as dsv4
 
 from ..dspark import ConfidenceHead, MarkovHead
+from . import flash
+
+VARIANTS = ("0731", "v41")
 
 
 def stage_args(target: dsv4.ModelArgs, stages: int, text: dict) -> dsv4.ModelArgs:
@@ -58,15 +66,17 @@ class DSparkStages(nn.Module):
     """All stages plus the head parts; parameter names are the loader's (see load.py)."""
 
     def __init__(self, args: dsv4.ModelArgs, n_taps: int, markov_rank: int, *,
-                 hc_head: bool, confidence: bool, confidence_bias: bool):
+                 variant: str, confidence: bool, confidence_bias: bool):
         super().__init__()
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown DeepSeek-V4 DSpark variant {variant!r}; one of {VARIANTS}")
         H, hc = args.hidden_size, args.hc_mult
-        self.args = args
+        self.args, self.variant = args, variant
         self.layers = [dsv4.DecoderLayer(args, s) for s in range(args.num_hidden_layers)]
         self.main_proj = nn.Linear(n_taps * H, H, bias=False)
         self.main_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
-        if hc_head:
+        if variant == "0731":
             self.hc_head_fn = mx.zeros((hc, hc * H), dtype=mx.float32)
             self.hc_head_base = mx.zeros((hc,), dtype=mx.float32)
             self.hc_head_scale = mx.ones((1,), dtype=mx.float32)
@@ -84,6 +94,9 @@ class DSparkStages(nn.Module):
         out = []
         for layer in self.layers:
             a = layer.self_attn
+            if self.variant == "0731":
+                out.append(flash.project_kv(a, m, start))
+                continue
             kv = dsv4._apply_rope(a.kv_norm(a.kv_proj(m)), a.rope, rope_dim=a.rope_dim, offset=start)
             out.append(dsv4._fake_quant_fp8(kv, 32))
         return out
@@ -99,6 +112,11 @@ class DSparkStages(nn.Module):
         """Block embeddings x [1, B, H] at positions start .. -> (h [B, H] pre-norm, norm(h))."""
         B, hc = x.shape[1], self.args.hc_mult
         streams = mx.broadcast_to(x[:, :, None, :], (1, B, hc, x.shape[-1]))
+        if self.variant == "0731":
+            for layer, ctx in zip(self.layers, contexts, strict=True):
+                streams = flash.stage(layer, streams, ctx, start, self.args.rms_norm_eps)
+            h = self._hc_head(streams)
+            return h[0], self.norm(h)[0]
         pre_mix = (mx.arange(hc) == 0).astype(mx.float32)
         pre_mix = mx.broadcast_to(pre_mix, (1, B, hc))
         for layer, ctx in zip(self.layers, contexts, strict=True):
@@ -106,7 +124,7 @@ class DSparkStages(nn.Module):
             seen = mx.broadcast_to(mx.arange(n, dtype=mx.int32), (1, B, n))  # all rows, no mask
             streams, pre_mix = layer(streams, pre_mix, start_pos=start, window_idx=seen,
                                      cache=_BlockWindow(ctx), shared={})
-        h = self._hc_head(streams) if "hc_head_fn" in self else dsv4._collapse(streams, pre_mix)
+        h = dsv4._collapse(streams, pre_mix)  # V4.1: the last stage's pre-mix
         return h[0], self.norm(h)[0]
 
 
