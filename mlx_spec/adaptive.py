@@ -1,11 +1,20 @@
 """Adaptive draft length: choose k per step to maximise expected tokens per second.
 
-Before each step the policy picks k in 0..k_max maximising
+Before each step the policy picks k in 0..k_max maximising the expected tokens
+per second, from the expected tokens and seconds of a step at k,
 
-    E(k) / T(k),   E(k) = 1 + sum_{j=1..k} prod_{i<j} a_i,   T(k) = V(k+1) + D(k)
+    E(k) = 1 + sum_{j=1..k} prod_{i<j} a_i,   T(k) = V(k+1) + D(k)
+
+in each of two states: 1 after a step that kept its first drafted token, 0
+after any other step. Acceptance comes in runs (an n-gram match that is a real
+copy, an easy stretch for a draft model), so each state has its own `a_i`, and
+the rate maximised is the long-run one, sum(pi E) / sum(pi T) with pi the share
+of steps each state gets under that choice (`AdaptiveK.rates`): a cheap draft
+after a rejection can pay because, kept, it leads into a run.
 
 * `a_i`: the acceptance rate at draft position i given the earlier ones were
-  accepted, tracked online (running mean, then an exponential moving average);
+  accepted, tracked online per state (running mean, then an exponential moving
+  average);
 * `V(n)`: the target's time to verify n tokens: the calibrated curve
   T(n)/T(1) of this model on this device (measured once, cached on disk per
   model, dtype and device), corrected online by the step times observed at
@@ -39,6 +48,7 @@ PRIOR, PRIOR_WEIGHT = 0.6, 2  # acceptance assumed before observing, worth 2 obs
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
+STATES = 2  # acceptance tables: 1 after a step that kept its first draft token, else 0
 
 
 @dataclass
@@ -58,8 +68,9 @@ class AdaptiveK:
 
     costs: CostModel
     k_max: int
-    accept: list[float] = field(default_factory=list)  # a_i
-    seen: list[int] = field(default_factory=list)  # observations at position i
+    accept: list[list[float]] = field(default_factory=list)  # accept[state][i] = a_i
+    seen: list[list[int]] = field(default_factory=list)  # observations at position i
+    state: int = 0  # 1 when the last step kept its first drafted token
     replays: bool = False  # recurrent target: a rejection costs a forward over the kept tokens
     scale: float | None = None  # observed / calibrated step time, over all k
     shape: dict[int, float] = field(default_factory=dict)  # k -> its own deviation from `scale`
@@ -69,44 +80,79 @@ class AdaptiveK:
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)
-        self.accept = [PRIOR] * self.k_max
-        self.seen = [0] * self.k_max
+        self.accept = [[PRIOR] * self.k_max for _ in range(STATES)]
+        self.seen = [[0] * self.k_max for _ in range(STATES)]
 
-    def estimates(self) -> list[float]:
-        """Acceptance per position; a position never reached inherits the one before it.
+    def estimates(self, state: int | None = None) -> list[float]:
+        """Acceptance per position (in the current state by default); a position
+        never reached inherits the one before it.
 
         Optimism about deeper positions is what makes the policy try a longer draft
         once the shallow ones prove reliable; it then measures them.
         """
+        state = self.state if state is None else state
+        if not self.seen[state][0]:  # a state never met is taken to be like the other
+            state = 1 - state
         out, prev = [], PRIOR
-        for a, n in zip(self.accept, self.seen):
+        for a, n in zip(self.accept[state], self.seen[state]):
             prev = a if n else prev
             out.append(prev)
         return out
 
-    def expected_tokens(self, k: int) -> float:
-        total, survive = 1.0, 1.0
-        for a in self.estimates()[:k]:
-            survive *= a
-            total += survive
-        return total
+    def expected_tokens(self, k: int, state: int | None = None) -> float:
+        return self._curves(self.state if state is None else state)[0][k]
 
-    def seconds(self, k: int) -> float:
+    def seconds(self, k: int, state: int | None = None) -> float:
         """Predicted step time at k, up to the common `scale` (which cannot change the best k)."""
-        return self.calibrated_seconds(k) * self.shape.get(k, 1.0)
+        return self.calibrated_seconds(k, state) * self.shape.get(k, 1.0)
 
-    def calibrated_seconds(self, k: int) -> float:
+    def calibrated_seconds(self, k: int, state: int | None = None) -> float:
         base = self.costs.step_seconds(k)
         if self.replays:
             survive = 1.0
-            for j, a in enumerate(self.estimates()[:k]):  # P(n = j) V(j + 1): j + 1 kept
+            for j, a in enumerate(self.estimates(state)[:k]):  # P(n = j) V(j + 1): j + 1 kept
                 base += survive * (1 - a) * self.costs.verify[j]
                 survive *= a
         return base
 
+    def _curves(self, state: int) -> tuple[list[float], list[float], list[float]]:
+        """For k = 0..k_max in `state`: expected tokens, seconds, P(next state is 1)."""
+        estimates = self.estimates(state)
+        tokens, total, survive = [1.0], 1.0, 1.0
+        for a in estimates:
+            survive *= a
+            total += survive
+            tokens.append(total)
+        to_one = [0.0] + estimates[:1] * self.k_max  # the first draft token kept
+        return tokens, [self.seconds(k, state) for k in range(self.k_max + 1)], to_one
+
     def rates(self) -> list[float]:
-        """Expected tokens per second for k = 0..k_max."""
-        return [self.expected_tokens(k) / self.seconds(k) for k in range(self.k_max + 1)]
+        """Long-run expected tokens per second for each k of the current state.
+
+        A step moves the policy between the two states (to 1 when its first draft
+        token is kept, to 0 otherwise), so what k earns now depends also on the
+        state it leads to: after a rejection, a draft that barely pays for itself
+        can be worth it because, kept, it leads into a run; parking never does.
+        For each pair (k here, k in the other state), the chain's stationary
+        share pi of each state gives the rate sum(pi E) / sum(pi T); the other
+        state's k is the best one for each k here.
+        """
+        here, there = self._curves(self.state), self._curves(1 - self.state)
+        # probability that a step leaves its state, for each k
+        leave_here = [p if self.state == 0 else 1.0 - p for p in here[2]]
+        leave_there = [p if self.state == 1 else 1.0 - p for p in there[2]]
+        out = []
+        for k in range(self.k_max + 1):
+            if leave_here[k] == 0:  # this k never leaves the state
+                out.append(here[0][k] / here[1][k])
+                continue
+            best = 0.0
+            for j in range(self.k_max + 1):
+                pi = leave_there[j] / (leave_here[k] + leave_there[j])  # share of steps here
+                best = max(best, (pi * here[0][k] + (1 - pi) * there[0][j])
+                           / (pi * here[1][k] + (1 - pi) * there[1][j]))
+            out.append(best)
+        return out
 
     def choose(self) -> tuple[int, float]:
         """(k, its expected gain over plain decoding)."""
@@ -122,19 +168,20 @@ class AdaptiveK:
             self.steps += 1
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
-        return k, rates[k] / rates[0]
+        return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
     def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
         """A verify step with `proposed` drafted tokens kept `accepted` of them."""
         estimates = self.estimates()
+        accept, seen = self.accept[self.state], self.seen[self.state]
         for i in range(min(proposed, self.k_max)):
             if i > accepted:  # never reached: position i-1 was rejected
                 break
-            if not self.seen[i]:  # start from what it inherited, not from the prior
-                self.accept[i] = estimates[i]
-            self.seen[i] += 1
-            w = max(1.0 / (self.seen[i] + PRIOR_WEIGHT), EMA)
-            self.accept[i] += w * ((i < accepted) - self.accept[i])
+            if not seen[i]:  # start from what it inherited, not from the prior
+                accept[i] = estimates[i]
+            seen[i] += 1
+            w = max(1.0 / (seen[i] + PRIOR_WEIGHT), EMA)
+            accept[i] += w * ((i < accepted) - accept[i])
         if seconds is not None and proposed <= self.k_max:
             # Observed / calibrated time = scale * shape[k]. The scale follows
             # whatever slows every k alike (other processes, a stale calibration);
@@ -144,6 +191,7 @@ class AdaptiveK:
             shape = self.shape.get(proposed, 1.0)
             self.scale = ratio / shape if self.scale is None else self.scale + 2 * EMA * (ratio / shape - self.scale)
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
+        self.state = int(proposed > 0 and accepted > 0)
 
 
 def cache_dir() -> Path:

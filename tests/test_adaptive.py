@@ -70,6 +70,40 @@ def test_unreached_positions_inherit_the_acceptance_before_them():
     assert policy.choose()[0] > 1  # optimism: try longer drafts and measure them
 
 
+def best_k(policy, state):
+    policy.state = state
+    rates = policy.rates()
+    return max(range(len(rates)), key=rates.__getitem__)
+
+
+def test_acceptance_in_runs_drafts_long_after_a_kept_draft_and_short_after_a_rejection():
+    policy = AdaptiveK(linear_costs(0.2), k_max=16)
+    for run in range(20):  # alternating stretches: copies (all kept), guesses (none kept)
+        for _ in range(8):
+            k, _ = policy.choose()
+            policy.observe(k, k if run % 2 == 0 else 0)
+    assert best_k(policy, 1) == 16  # inside a copy
+    # After a rejection a long draft does not pay; at most a 1-token one, for the chance
+    # that it is kept and leads into a copy.
+    assert best_k(policy, 0) <= 1
+    # One table for all steps (the state forced to 0) averages the regimes: slower.
+    assert copy_guess_rate(AdaptiveK(linear_costs(0.2), k_max=16), pooled=False) > \
+        1.1 * copy_guess_rate(AdaptiveK(linear_costs(0.2), k_max=16), pooled=True)
+
+
+def copy_guess_rate(policy, pooled, runs=40):
+    """Tokens per second over alternating 8-step copy (all kept) and guess (none kept) runs."""
+    tokens = seconds = 0.0
+    for run in range(runs):
+        for _ in range(8):
+            k, _ = policy.choose()
+            n = k if run % 2 == 0 else 0
+            policy.observe(k, n)
+            policy.state = 0 if pooled else policy.state
+            tokens, seconds = tokens + n + 1, seconds + policy.costs.step_seconds(k)
+    return tokens / seconds
+
+
 def test_parked_policy_probes_and_recovers():
     policy = AdaptiveK(linear_costs(0.1), k_max=8)
     feed(policy, 40, accept_len=0)
@@ -87,7 +121,7 @@ def test_expected_gain_is_reported_relative_to_plain_decoding():
     policy = AdaptiveK(linear_costs(0.0), k_max=4)
     feed(policy, 50, accept_len=4)
     k, gain = policy.choose()
-    assert k == 4 and gain == pytest.approx(policy.expected_tokens(4), rel=1e-6)
+    assert k == 4 and gain == pytest.approx(policy.expected_tokens(4), rel=0.01)
     assert 4.5 < gain <= 5.0
 
 
@@ -171,7 +205,7 @@ def test_recurrent_targets_pay_for_replays_so_k_shrinks():
     plain = AdaptiveK(linear_costs(0.05), k_max=16)
     hybrid = AdaptiveK(linear_costs(0.05), k_max=16, replays=True)
     for policy in (plain, hybrid):
-        policy.accept = [0.7] * 16  # rejections happen: the hybrid replays the kept tokens
+        policy.accept[policy.state] = [0.7] * 16  # rejections happen: the hybrid replays the kept tokens
     assert hybrid.seconds(8) > plain.seconds(8)
     assert hybrid.seconds(0) == plain.seconds(0)
     assert hybrid.choose()[0] <= plain.choose()[0]
@@ -183,10 +217,11 @@ def test_what_the_policy_learned_carries_over_to_the_next_call():
     prompt = [5, 6, 7, 8]
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=30))
     policy = drafter._mlx_spec_policy[1]
-    learned = list(policy.accept)
-    assert learned[0] > adaptive.PRIOR  # it saw acceptances
+    learned = max(policy.estimates(s)[0] for s in (0, 1))
+    assert learned > adaptive.PRIOR  # it saw acceptances
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=5))
-    assert drafter._mlx_spec_policy[1] is policy and policy.accept[0] >= learned[0]
+    assert drafter._mlx_spec_policy[1] is policy
+    assert max(policy.estimates(s)[0] for s in (0, 1)) >= learned
     other = tiny.llama_model(seed=5)  # another target: start again
     list(mlx_spec.stream_generate(other, tiny.tokenizer(), prompt, drafter, max_tokens=5))
     assert drafter._mlx_spec_policy[1] is not policy
