@@ -6,11 +6,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import dflash_synth as S
 import mlx_spec
 import tiny
+from runs import mlx_lm_greedy as greedy_reference, spec_run
 from converters import dflash as conv
 from converters import head as head_cli
 from converters.common import ConversionError
@@ -58,13 +58,7 @@ def make_head(tmp, tname, layout="zlab", copy=False, dtype=mx.float32, seed=0, *
 
 
 def run(model, drafter, n=60, k=15, prompt=PROMPT, **kw):
-    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=n,
-                                        num_draft_tokens=k, trace=True, **kw))
-    return [r.token for r in out], out[-1].stats
-
-
-def greedy_reference(model, prompt, n):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+    return spec_run(model, drafter, prompt, n, k, **kw)
 
 
 def as_mx(taps, start=0):

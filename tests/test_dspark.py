@@ -7,7 +7,6 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import dflash_synth as S
 import mlx_spec
@@ -20,6 +19,7 @@ from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.dspark import confidence_length
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
+from runs import mlx_lm_greedy as greedy, replay_greedy_blocks, spec_run, target_arrays
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
 IDS = [-1, 2]  # DeepSpec output-of-layer ids; -1 = the embedding output
@@ -39,10 +39,6 @@ def echo_target():
                 f[a] = nxt.most_common(1)[0][0]
         _state["t"] = (model, cfg, f)
     return _state["t"]
-
-
-def greedy(model, prompt, n):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def make_head(tmp, rank=S.V, trained=True, seed=0, **cfg_kw):
@@ -69,14 +65,8 @@ def reference(w, rank=S.V):
     return S.Reference(w, layers=2, windows=[None, None], causal=[False, False], block=7)
 
 
-def target_arrays(model):
-    return tuple(np.array(a, np.float64) for a in (model.model.embed_tokens.weight, model.lm_head.weight))
-
-
 def run(model, d, n=80, k=7, **kw):
-    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, d, max_tokens=n,
-                                        num_draft_tokens=k, trace=True, **kw))
-    return [r.token for r in out], out[-1].stats
+    return spec_run(model, d, PROMPT, n, k, **kw)
 
 
 def mx_taps(taps, a, b):
@@ -189,21 +179,14 @@ def test_confidence_length_is_the_leading_run_above_the_threshold():
 
 def reference_steps(model, d, ref, got, k, threshold=None):
     """Replay a greedy run with NumPy: per step (proposal, accepted, confidences)."""
-    (E, head), seq, pos, steps = target_arrays(model), PROMPT + got, len(PROMPT), []
+    (E, head), seq = target_arrays(model), PROMPT + got
     cat = S.concat_taps(S.target_taps(model, seq, d.taps), d.taps)
-    while pos < len(seq) - 1:
-        kk = min(k, len(seq) - pos - 2)
+
+    def chain(pos):
         toks, _, conf = ref.dspark_chain(cat[:pos], seq[pos], E, head, 7)
-        a, cut = np.cumprod(conf), 7
-        if threshold is not None and (a < threshold).any():
-            cut = int(np.argmin(a >= threshold))
-        toks = toks[: min(kk, cut)]
-        n = 0
-        while n < len(toks) and toks[n] == seq[pos + 1 + n]:
-            n += 1
-        steps.append((toks, n, a, cut))
-        pos += n + 1
-    return steps
+        return toks, conf
+
+    return replay_greedy_blocks(seq, len(PROMPT), k, 7, chain, threshold)
 
 
 @pytest.mark.parametrize("threshold", [None, 0.55])

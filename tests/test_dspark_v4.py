@@ -15,7 +15,6 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.generate import generate_step
 from mlx_lm.utils import load_model
 
 import dspark_v4_ref as R
@@ -26,6 +25,7 @@ from mlx_spec.drafters.dspark_v4.load import fp8_tile
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import Taps
+from runs import mlx_lm_greedy as greedy, replay_greedy_blocks, spec_run, target_arrays
 
 WINDOW, BLOCK, NOISE, IDS = 8, 5, 95, [1, 2, 3]
 TAPS = {"0731": (1, 2, 3), "v41": (0, 1, 2)}  # leaving layers 1..3 | entering layers 1..3
@@ -47,10 +47,6 @@ def trunk_tensors(model) -> dict:
         else:
             out[native_name(k)] = v.reshape(-1, v.shape[-1]) if k.endswith(".o_a_proj.weight") else v
     return out
-
-
-def greedy(model, prompt, n):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def target(tmp_path_factory):
@@ -117,11 +113,6 @@ def raw_taps(model, seq, taps):
     with Taps(model, taps) as t:
         model(mx.array([seq]))
         return t.read()
-
-
-def target_arrays(model):
-    return (np.array(model.model.embed_tokens.weight, np.float64),
-            np.array(model.lm_head.weight, np.float64))
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -226,28 +217,19 @@ def test_fp8_scale_grid_that_fits_no_tile_is_refused(tmp_path, tmp_path_factory)
 
 
 def run(model, d, n, k=BLOCK, **kw):
-    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, d, max_tokens=n,
-                                        num_draft_tokens=k, trace=True, **kw))
-    return [r.token for r in out], out[-1].stats
+    return spec_run(model, d, PROMPT, n, k, **kw)
 
 
 def reference_steps(model, d, ref, got, k, threshold=None):
     """Replay a greedy run with NumPy: per step (proposal, accepted, running confidences, cut)."""
-    (E, head), seq, pos, steps = target_arrays(model), PROMPT + got, len(PROMPT), []
+    (E, head), seq = target_arrays(model), PROMPT + got
     cat = tap_means(model, seq, d.taps)
-    while pos < len(seq) - 1:
-        kk = min(k, len(seq) - pos - 2)
+
+    def chain(pos):
         toks, _, conf = ref.chain(cat[:pos], seq[pos], E, head, BLOCK)
-        a, cut = np.cumprod(conf), BLOCK
-        if threshold is not None and (a < threshold).any():
-            cut = int(np.argmin(a >= threshold))
-        toks = toks[: min(kk, cut)]
-        n = 0
-        while n < len(toks) and toks[n] == seq[pos + 1 + n]:
-            n += 1
-        steps.append((toks, n, a, cut))
-        pos += n + 1
-    return steps
+        return toks, conf
+
+    return replay_greedy_blocks(seq, len(PROMPT), k, BLOCK, chain, threshold)
 
 
 @pytest.mark.parametrize("variant", ["0731", "v41"])

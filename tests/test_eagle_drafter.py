@@ -11,10 +11,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 import mlx_spec
 import tiny
+from runs import mlx_lm_greedy as greedy_reference
 from converters.eagle import v1, v3
 from eagle_fixtures import eagle1_checkpoint, eagle3_checkpoint, ref_eagle1, ref_eagle3, target_folder
 from mlx_spec.sampling import Sampling
@@ -130,11 +130,6 @@ def test_draft_logits_equal_numpy_reference(tmp_path, case):
     assert drafter.cache[0].offset + drafter._feats.shape[0] == rows and len(drafter._toks) == drafter._feats.shape[0] - 1
 
 
-def greedy_reference(model, prompt, n):
-    out = []
-    for (t, _), _ in zip(generate_step(mx.array(prompt), model), range(n)):
-        out.append(int(t))
-    return out
 
 
 def quantized_llama():

@@ -1,12 +1,11 @@
 """End-to-end decoding on tiny targets: greedy losslessness, stops, prompt caches, bad input."""
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import mlx_spec
 import tiny
+from runs import mlx_lm_greedy as reference
 from mlx_spec import DraftModelDrafter, NGramDrafter
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
@@ -26,10 +25,6 @@ def target(name):
     return _cache[name]
 
 
-def reference(model, prompt, n):
-    """Plain greedy decoding by mlx-lm itself."""
-    steps = generate_step(mx.array(prompt), model, max_tokens=n)
-    return [int(t) for t, _ in steps]
 
 
 def drafters(model):

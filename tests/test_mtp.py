@@ -15,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.generate import generate_step
 
 import mlx_spec
 import mtp_checkpoints as ckpts
 import tiny
+from runs import mlx_lm_greedy as greedy_reference
 from mlx_spec.drafters.mtp import MTPDrafter, extract, load_mtp, probe
 from mlx_spec.drafters.mtp.families import FAMILIES, module_prefix, tensor_index
 from mlx_spec.sampling import Sampling
@@ -66,8 +66,6 @@ def target_hidden(model, seq):
     return np.array(decoder_stack(model)(mx.array(seq)[None])[0])  # post-final-norm
 
 
-def greedy_reference(model, prompt, n):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 @pytest.mark.parametrize("case", list(LAYOUTS))

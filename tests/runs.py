@@ -1,0 +1,49 @@
+"""Helpers the drafter tests share: mlx-lm's own greedy output, a traced speculative run,
+and a NumPy replay of greedy block drafting (DFlash / DSpark style)."""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import generate_step
+
+import mlx_spec
+import tiny
+
+
+def mlx_lm_greedy(model, prompt, n) -> list[int]:
+    """Plain greedy decoding by mlx-lm itself: what every drafter must reproduce."""
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+def spec_run(model, drafter, prompt, n, k, **kw):
+    """(tokens, stats) of mlx-spec's traced run with `drafter` at draft length k."""
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=n,
+                                        num_draft_tokens=k, trace=True, **kw))
+    return [r.token for r in out], out[-1].stats
+
+
+def target_arrays(model):
+    """The target's embedding and LM head as float64 NumPy arrays."""
+    return (np.array(model.model.embed_tokens.weight, np.float64),
+            np.array(model.lm_head.weight, np.float64))
+
+
+def replay_greedy_blocks(seq, start, k, block, chain, threshold=None):
+    """Replay a greedy run over `seq` (prompt + output) from committed length `start`.
+
+    `chain(pos)` returns the reference's (tokens, confidences) for a block anchored at
+    seq[pos]. Per step: (proposal, accepted, running confidence product, cut).
+    """
+    pos, steps = start, []
+    while pos < len(seq) - 1:
+        kk = min(k, len(seq) - pos - 2)
+        toks, conf = chain(pos)
+        a, cut = np.cumprod(conf), block
+        if threshold is not None and (a < threshold).any():
+            cut = int(np.argmin(a >= threshold))
+        toks = toks[: min(kk, cut)]
+        n = 0
+        while n < len(toks) and toks[n] == seq[pos + 1 + n]:
+            n += 1
+        steps.append((toks, n, a, cut))
+        pos += n + 1
+    return steps
