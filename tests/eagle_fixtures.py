@@ -174,6 +174,18 @@ def save_weights(folder: Path, weights: dict, fmt: str, prefix: str = "") -> Non
         mx.save_safetensors(str(folder / "model.safetensors"), {k: mx.array(v) for k, v in named.items()})
 
 
+def _write(folder: Path, cfg: dict, w: dict, config, drop, tweak, fmt: str, prefix: str = ""):
+    """Apply the caller's config overrides, dropped keys and tweak; write; return (cfg, w)."""
+    cfg.update(config or {})
+    for k in drop:
+        w.pop(k)
+    if tweak is not None:
+        tweak(w)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_weights(folder, w, fmt, prefix)
+    return cfg, w
+
+
 def eagle1_checkpoint(folder: Path, H: int, V: int, *, heads=4, kv_heads=2, inter=None, layers=1,
                       fc_bias=True, qkv_bias=False, fmt="bin", prefix="", seed=0, config=None,
                       drop=(), tweak=None) -> tuple[dict, dict]:
@@ -193,14 +205,7 @@ def eagle1_checkpoint(folder: Path, H: int, V: int, *, heads=4, kv_heads=2, inte
     cfg = {"architectures": ["LlamaForCausalLM"], **_dims(H, heads, kv_heads, I, layers, V), "bias": fc_bias}
     if qkv_bias:
         cfg["qkv_bias"] = True
-    cfg.update(config or {})
-    for k in drop:
-        w.pop(k)
-    if tweak is not None:
-        tweak(w)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_weights(folder, w, fmt, prefix)
-    return cfg, w
+    return _write(folder, cfg, w, config, drop, tweak, fmt, prefix)
 
 
 def eagle3_checkpoint(folder: Path, H: int, V: int, *, V_d=None, layout="yuhuili", heads=4, kv_heads=2,
@@ -242,14 +247,7 @@ def eagle3_checkpoint(folder: Path, H: int, V: int, *, V_d=None, layout="yuhuili
         cfg["num_hidden_layers"] = 40 if layout == "yuhuili" else layers  # misleading, as in the wild
         if H_t != H:
             cfg["target_hidden_size"] = H_t
-    cfg.update(config or {})
-    for k in drop:
-        w.pop(k)
-    if tweak is not None:
-        tweak(w)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    save_weights(folder, w, fmt)
-    return cfg, w
+    return _write(folder, cfg, w, config, drop, tweak, fmt)
 
 
 # ---------------------------------------------------------------- NumPy reference (float64)

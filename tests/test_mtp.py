@@ -89,12 +89,17 @@ def test_mlx_lm_sanitize_drops_the_mtp_tensors_we_read(root, case):
         assert drafter.config.own_head and drafter.config.own_embed
 
 
-@pytest.mark.parametrize("case", list(LAYOUTS))
-def test_draft_logits_equal_numpy(root, case):
+def bound_drafter(root, case):
+    """(target, NumPy reference, MTP drafter bound to the target) for a layout."""
     folder, model, tok = checkpoint(root, case)
-    ref = Reference(folder, LAYOUTS[case][0])
     drafter = mlx_spec.load_drafter(folder, model, kind="mtp")
     drafter.bind(model, tok)
+    return model, Reference(folder, LAYOUTS[case][0]), drafter
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_draft_logits_equal_numpy(root, case):
+    model, ref, drafter = bound_drafter(root, case)
     seq = np.random.default_rng(3).integers(0, ckpts.V, 12).tolist()
     hidden = target_hidden(model, seq)
     got, _, _ = drafter.head(mx.array(hidden[:-1]), mx.array(seq[1:], mx.uint32), drafter.cache[0],
@@ -105,10 +110,7 @@ def test_draft_logits_equal_numpy(root, case):
 
 @pytest.mark.parametrize("case", list(LAYOUTS))
 def test_chained_proposals_equal_numpy(root, case):
-    folder, model, tok = checkpoint(root, case)
-    ref = Reference(folder, LAYOUTS[case][0])
-    drafter = mlx_spec.load_drafter(folder, model, kind="mtp")
-    drafter.bind(model, tok)
+    model, ref, drafter = bound_drafter(root, case)
     seq = PROMPT + [3]
     hidden = target_hidden(model, seq)
     drafter.prefill(PROMPT, {FINAL_NORM: mx.array(hidden[: len(PROMPT)])})
