@@ -7,7 +7,8 @@ the last k-n of them must go. How depends on the layer's cache type:
 * `RotatingKVCache` (sliding-window layers) cannot be trimmed once its ring has
   wrapped, so it is replaced by `WindowKVCache`: the same attention window, but
   the buffer keeps `spare` extra positions, so a rollback of up to `spare`
-  tokens always works, however long the sequence gets.
+  tokens always works, however long the sequence gets. The `keep` sink
+  positions of mlx-lm's `max_kv_size` caches stay visible, as in mlx-lm.
 * `ArraysCache` (recurrent layers: GatedDeltaNet, Mamba, short convolutions)
   holds one state, not one entry per position, and DeepSeek-V4.1's `LayerCache`
   (mlx-lm `deepseek_v41`: a window that evicts rows, closed compressed groups,
@@ -68,47 +69,56 @@ class CacheRollbackError(ValueError):
 
 
 class WindowKVCache:
-    """Sliding-window KV cache (window `window`) that can roll back `spare` tokens.
+    """Sliding-window KV cache that can roll back `spare` tokens.
 
-    Keys/values are kept in temporal order; before new tokens are written the
-    buffer retains at least `window - 1 + spare` of the most recent positions,
-    and `make_mask` limits every query to the `window` keys ending at itself, so
-    attention sees exactly what a `RotatingKVCache(max_size=window)` would.
+    Every query sees the `window` most recent positions ending at itself, as a
+    `RotatingKVCache(max_size=window)` does; with `keep` > 0 (mlx-lm's
+    `max_kv_size` caches keep 4 "sink" positions) the first `keep` positions stay
+    visible to every query and the window of recent ones is `window - keep`.
+
+    Rows are kept in temporal order: rows [0, keep) are positions [0, keep), the
+    rest a contiguous tail ending at `offset`. Before new tokens are written the
+    tail retains at least `window - keep - 1 + spare` of its most recent
+    positions, and `make_mask` limits every query to what it may see.
     """
 
     step = 256
 
-    def __init__(self, window: int, spare: int = SPARE):
-        self.window = window
-        self.spare = spare
+    def __init__(self, window: int, spare: int = SPARE, keep: int = 0):
+        if not 0 <= keep < window:
+            raise ValueError(f"keep must be in 0..{window - 1}, got {keep}")
+        self.window, self.spare, self.keep = window, spare, keep
         self.keys = self.values = None
         self.offset = 0  # absolute number of positions seen
-        self._len = 0  # positions held in the buffer (the most recent ones)
+        self._len = 0  # rows held in the buffer
 
     @property
-    def _retain(self) -> int:
-        return self.window - 1 + self.spare
+    def _span(self) -> int:  # recent positions each query sees, itself included
+        return self.window - self.keep
 
     def _held_before(self, n_new: int) -> int:
-        """Positions kept from the buffer when `n_new` more are written."""
+        """Rows kept from the buffer when `n_new` more are written."""
         if self.keys is None:
             return 0
         if self._len + n_new > self.keys.shape[2]:
-            return min(self._len, self._retain)
+            sinks = min(self.keep, self._len)
+            return sinks + min(self._len - sinks, self._span - 1 + self.spare)
         return self._len
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n_new = keys.shape[2]
         held = self._held_before(n_new)
-        if self.keys is None or held != self._len or held + n_new > self.keys.shape[2]:
-            # Compact: copy the retained tail into a fresh buffer with room to grow.
+        if self.keys is None or self._len + n_new > self.keys.shape[2]:
+            # Compact: the sinks and the retained tail into a fresh buffer with room to grow.
             size = held + n_new + self.step
             B, H, _, Dk = keys.shape
             new_k = mx.zeros((B, H, size, Dk), keys.dtype)
             new_v = mx.zeros((B, H, size, values.shape[3]), values.dtype)
-            if held:
-                new_k[..., :held, :] = self.keys[..., self._len - held : self._len, :]
-                new_v[..., :held, :] = self.values[..., self._len - held : self._len, :]
+            sinks = min(self.keep, held)
+            for dst, src in (((0, sinks), (0, sinks)), ((sinks, held), (self._len - held + sinks, self._len))):
+                if dst[1] > dst[0]:
+                    new_k[..., dst[0] : dst[1], :] = self.keys[..., src[0] : src[1], :]
+                    new_v[..., dst[0] : dst[1], :] = self.values[..., src[0] : src[1], :]
             self.keys, self.values, self._len = new_k, new_v, held
         self.keys[..., self._len : self._len + n_new, :] = keys
         self.values[..., self._len : self._len + n_new, :] = values
@@ -122,20 +132,32 @@ class WindowKVCache:
                 f"model asked for a {window_size}-token window from a cache built "
                 f"for {self.window}"
             )
-        held = self._held_before(N)
-        if held + N <= self.window:
-            # No key falls outside the window: plain causal attention.
+        rows = self._held_before(N) + N
+        end = self.offset + N  # positions after the write
+        sinks = min(self.keep, rows)
+        first_tail = end - (rows - sinks)  # position of the oldest non-sink row
+        if end - 1 - first_tail < self._span:  # every query sees every row before it
             if N == 1:
                 return None
-            return create_causal_mask(N, held) if return_array else "causal"
-        return create_causal_mask(N, held, window_size=self.window)
+            return create_causal_mask(N, rows - N) if return_array else "causal"
+        pos = mx.arange(rows)
+        pos = mx.where(pos < sinks, pos, pos + (first_tail - sinks))[None]
+        query = mx.arange(end - N, end)[:, None]
+        return (pos <= query) & ((pos < self.keep) | (pos > query - self._span))
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
         n = min(n, self.offset)
-        if self._len - n < min(self.offset - n, self.window - 1):
+        sinks = min(self.keep, self._len)
+        gap = self._len < self.offset  # positions were evicted
+        left = self.offset - n
+        if left < sinks:
+            ok = not gap
+        else:
+            ok = self._len - sinks - n >= min(left - sinks, self._span - 1)
+        if not ok:
             raise CacheRollbackError(
                 f"WindowKVCache can roll back at most {self.spare} positions "
                 f"past its window, asked for {n}"
@@ -161,13 +183,7 @@ class WindowKVCache:
     @classmethod
     def from_rotating(cls, c: RotatingKVCache, spare: int = SPARE) -> "WindowKVCache":
         """Take over a RotatingKVCache that may already hold a prompt."""
-        if c.keep:
-            raise CacheRollbackError(
-                f"RotatingKVCache with keep={c.keep} (attention sinks) cannot be "
-                "rolled back; build the cache with mlx_spec.make_cache(model) "
-                "instead of max_kv_size"
-            )
-        new = cls(c.max_size, spare)
+        new = cls(c.max_size, spare, keep=c.keep)
         if c.keys is not None and c.offset > 0:
             k, v = _temporal(c, c.keys), _temporal(c, c.values)
             new.update_and_fetch(k, v)
@@ -176,11 +192,12 @@ class WindowKVCache:
 
 
 def _temporal(c: RotatingKVCache, v: mx.array) -> mx.array:
-    """A RotatingKVCache buffer in temporal order (oldest first), keep == 0."""
+    """A RotatingKVCache buffer in temporal order: its `keep` sinks, then oldest first."""
     if c._idx == v.shape[2]:
         return v
-    if c._idx < c.offset:  # the ring has wrapped: [idx:] is older than [:idx]
-        return mx.concatenate([v[..., c._idx :, :], v[..., : c._idx, :]], axis=2)
+    if c._idx < c.offset:  # the ring has wrapped: [idx:] is older than [keep:idx]
+        keep = c.keep
+        return mx.concatenate([v[..., :keep, :], v[..., c._idx :, :], v[..., keep : c._idx, :]], axis=2)
     return v[..., : c._idx, :]
 
 
@@ -245,27 +262,41 @@ def is_recurrent(cache: list) -> bool:
 class Checkpoint:
     """The state of `cache` before a block of tokens is fed to `model`.
 
-    Once the block's fate is known, `keep(kept, fed)` leaves the cache as if
-    only `kept` (a prefix of the `fed` tokens consumed since the checkpoint)
-    had been fed.
+    It records each trimmable layer's own offset (and the state of each
+    snapshot layer), so `keep(kept)` leaves the cache as if only `kept` (a
+    prefix of the tokens fed since) had been fed, whatever happened in between:
+    also after a forward that failed half-way, when some layers appended the
+    block and others did not (`keep([])` restores the state exactly).
     """
 
     def __init__(self, model, cache: list):
         self.model, self.cache = model, cache
+        self.layers = list(cache)  # mlx-lm's KV quantization may replace list entries
+        self.offsets: list[tuple[Any, int]] = []
         self.states = []
         for c in _layers(cache):
             attrs = _snapshot_attrs(c)
-            if attrs is not None:
+            if attrs is None:
+                self.offsets.append((c, c.offset))
+            else:
                 self.states.append((c, {a: _copy(getattr(c, a)) for a in attrs}))
 
-    def keep(self, kept: Sequence[int], fed: int) -> None:
-        drop = fed - len(kept)
-        if drop <= 0:
+    def keep(self, kept: Sequence[int], fed: int | None = None) -> None:
+        """Keep `kept` of what was fed since the checkpoint (`fed` tokens, when known)."""
+        if fed is not None and fed == len(kept):
             return
-        if not self.states:
-            rollback(self.cache, drop)
+        if any(a is not b for a, b in zip(self.cache, self.layers)):
+            if kept:
+                raise RuntimeError("cache layers were replaced inside a checkpointed block")
+            self.cache[:] = self.layers  # the originals, trimmed below to their recorded state
+        replay = bool(self.states) and (fed is None or fed > len(kept))
+        target = 0 if replay else len(kept)
+        for c, offset in self.offsets:
+            extra = c.offset - (offset + target)
+            if extra > 0:
+                c.trim(extra)
+        if not replay:
             return
-        rollback(self.cache, fed)
         for c, state in self.states:
             for attr, value in state.items():
                 setattr(c, attr, _copy(value))

@@ -11,11 +11,12 @@ from mlx_lm.models.cache import (
     ChunkedKVCache,
     KVCache,
     QuantizedKVCache,
-    RotatingKVCache,
     make_prompt_cache,
 )
 
+import mlx_spec
 import tiny
+from mlx_lm.generate import generate_step
 from mlx_spec.cache import (
     CacheRollbackError,
     Checkpoint,
@@ -34,6 +35,9 @@ MODELS = {
     "kv": (lambda: tiny.llama_model(), make_prompt_cache),
     "quantized": (lambda: tiny.llama_model(hidden=128, heads=4, kv_heads=2), quantized),
     "window": (lambda: tiny.gemma3_model(window=8), make_prompt_cache),
+    # mlx-lm's max_kv_size cache: a 10-position window whose first 4 positions stay visible.
+    # (qwen2: mlx-lm's llama builds its own cache and ignores max_kv_size)
+    "sinks": (lambda: tiny.qwen2_model(), lambda m: prepare_cache(m, make_prompt_cache(m, 10))),
     "recurrent": (lambda: tiny.qwen3_5_model(), make_prompt_cache),
     # window 8 and a layer pooling groups of 4: blocks cross evictions and group closings.
     # Its KV is rounded through FP8/FP4, so BLAS noise that depends on how the tokens were
@@ -129,16 +133,33 @@ def test_filled_rotating_prompt_cache_is_taken_over():
     )
 
 
-@pytest.mark.parametrize(
-    "cache, match",
-    [
-        (ChunkedKVCache(8), "ChunkedKVCache"),
-        (RotatingKVCache(max_size=8, keep=4), "keep=4"),
-    ],
-)
-def test_unsupported_caches_are_refused_by_name(cache, match):
-    with pytest.raises(CacheRollbackError, match=match):
-        prepare_cache(None, [KVCache(), cache])
+def test_unsupported_caches_are_refused_by_name():
+    with pytest.raises(CacheRollbackError, match="ChunkedKVCache"):
+        prepare_cache(None, [KVCache(), ChunkedKVCache(8)])
+
+
+def test_sink_window_sees_the_first_positions_and_the_recent_ones():
+    c = WindowKVCache(window=6, spare=2, keep=2)
+    c.update_and_fetch(mx.zeros((1, 1, 10, 2)), mx.zeros((1, 1, 10, 2)))
+    mask = np.array(c.make_mask(3, return_array=True))  # queries at positions 10, 11, 12
+    # Rows are positions 0..9 then the 3 new ones; each query sees 0, 1 and its last 4.
+    want = [[p <= q and (p < 2 or p > q - 4) for p in range(13)] for q in (10, 11, 12)]
+    assert mask.tolist() == want
+
+
+def test_max_kv_size_decodes_like_mlx_lm_far_past_the_window():
+    """mlx-lm's RotatingKVCache(keep=4) in single-token steps = mlx-spec's window with sinks,
+    with drafted blocks or without."""
+    model = model_for("sinks")
+    assert {c.keep for c in prepare_cache(model, make_prompt_cache(model, 12))} == {4}
+    prompt = [5, 6, 7, 8, 9, 5]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, max_kv_size=12)]
+    unlimited = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    assert want != unlimited  # the window changes this model's output
+    for drafter in (None, mlx_spec.NGramDrafter(min_n=1), mlx_spec.DraftModelDrafter(model)):
+        out = mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=40,
+                                       max_kv_size=12, num_draft_tokens=4)
+        assert [r.token for r in out] == want
 
 
 def test_deepseek_v41_layer_cache_rolls_back_far_past_its_window():
