@@ -45,7 +45,7 @@ def test_greedy_sample_is_argmax():
 
 
 @pytest.mark.parametrize(
-    "kw", [dict(temp=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0)]
+    "kw", [dict(temp=-1.0), dict(top_p=-0.1), dict(top_p=1.5), dict(top_k=-1), dict(min_p=2.0)]
 )
 def test_bad_sampling_settings_are_refused(kw):
     with pytest.raises(ValueError):
