@@ -2,7 +2,9 @@
 
 `Taps(model, ids)` wraps the *instance's* decoder layers (and, if asked, its
 final norm) with transparent recorders; mlx-lm classes are never patched and
-`remove()` restores the originals. One internal meaning of a tap id:
+`remove()` restores the originals. Recorders are shared and counted: two live
+generators on one model read the same recorder (each right after its own
+forward), and the last `remove()` unwraps it. One internal meaning of a tap id:
 
 * `k >= 0`       the output of decoder layer k (0-based), i.e. HF
                  `hidden_states[k + 1]`;
@@ -31,6 +33,7 @@ class _Recorder(nn.Module):
         # Plain attributes (not arrays/dicts), so nn.Module does not count the
         # recorded activations as parameters.
         self.keep_input, self.keep_output = keep_input, keep_output
+        self.users = 0  # Taps objects reading this recorder; the last one out unwraps
         self.seen = _Seen()
 
     def __getattr__(self, key):
@@ -74,7 +77,7 @@ class Taps:
         self.stack = decoder_stack(model)
         layers = self.stack.layers
         n = len(layers)
-        self._installed: list[tuple[object, object, object]] = []  # (owner, key, original)
+        self._installed: list[tuple[object, object, _Recorder]] = []  # (owner, key, recorder)
         self._where: dict[object, tuple[_Recorder, str]] = {}
         for tid in self.ids:  # all ids are checked before anything is wrapped
             if tid == FINAL_NORM and not hasattr(self.stack, "norm"):
@@ -94,16 +97,19 @@ class Taps:
 
     def _wrap(self, owner, key, attr: bool, keep_input=False, keep_output=False) -> _Recorder:
         current = getattr(owner, key) if attr else owner[key]
-        if isinstance(current, _Recorder):  # a second id on the same module
+        if isinstance(current, _Recorder):  # another id, or another live Taps, on this module
             current.keep_input |= keep_input
             current.keep_output |= keep_output
-            return current
-        rec = _Recorder(current, keep_input, keep_output)
-        if attr:
-            setattr(owner, key, rec)
+            rec = current
         else:
-            owner[key] = rec
-        self._installed.append((owner, key, current))
+            rec = _Recorder(current, keep_input, keep_output)
+            if attr:
+                setattr(owner, key, rec)
+            else:
+                owner[key] = rec
+        if all(r is not rec for _, _, r in self._installed):
+            rec.users += 1
+            self._installed.append((owner, key, rec))
         return rec
 
     def read(self) -> dict:
@@ -111,11 +117,15 @@ class Taps:
         return {tid: getattr(rec.seen, slot)[0] for tid, (rec, slot) in self._where.items()}
 
     def remove(self) -> None:
-        for owner, key, original in reversed(self._installed):
+        """Stop reading; a recorder no other live `Taps` reads is unwrapped."""
+        for owner, key, rec in reversed(self._installed):
+            rec.users -= 1
+            if rec.users:
+                continue
             if isinstance(owner, list):
-                owner[key] = original
+                owner[key] = rec.inner
             else:
-                setattr(owner, key, original)
+                setattr(owner, key, rec.inner)
         self._installed.clear()
 
     def __enter__(self):
