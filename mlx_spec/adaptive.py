@@ -41,6 +41,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .identity import IdentityMap
+
 log = logging.getLogger("mlx_spec")
 
 N_MAX = 17  # verify rows: y plus at most 16 drafted tokens
@@ -72,6 +74,7 @@ class AdaptiveK:
     seen: list[list[int]] = field(default_factory=list)  # observations at position i
     state: int = 0  # 1 when the last step kept its first drafted token
     replays: bool = False  # recurrent target: a rejection costs a forward over the kept tokens
+    timed: bool = True  # learn from step timings (False: choices depend only on tokens)
     scale: float | None = None  # observed / calibrated step time, over all k
     shape: dict[int, float] = field(default_factory=dict)  # k -> its own deviation from `scale`
     parked: int = 0
@@ -182,7 +185,7 @@ class AdaptiveK:
             seen[i] += 1
             w = max(1.0 / (seen[i] + PRIOR_WEIGHT), EMA)
             accept[i] += w * ((i < accepted) - accept[i])
-        if seconds is not None and proposed <= self.k_max:
+        if seconds is not None and self.timed and proposed <= self.k_max:
             # Observed / calibrated time = scale * shape[k]. The scale follows
             # whatever slows every k alike (other processes, a stale calibration);
             # shape[k] learns, from steps at several k (n-gram misses, probes,
@@ -199,8 +202,15 @@ def cache_dir() -> Path:
     return Path(root) / "calibration"
 
 
+_CURVES: dict[str, list[float]] = {}  # model_key -> verify seconds, this process
+
+
 def model_key(model) -> str:
-    """Identity of (model architecture and weights' dtype, device, MLX version)."""
+    """Identity of (model architecture and weights' dtype, device, MLX version).
+
+    Computed on each call (a walk over the parameter tree): a model's dtype can
+    change in place (`set_dtype`), so it is never cached per object.
+    """
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -233,22 +243,40 @@ def _processor() -> str:
 
 
 def verify_seconds(model, n_max: int = N_MAX, recalibrate: bool = False) -> list[float]:
-    """Seconds of a forward over n = 1..n_max tokens for this model on this device (cached)."""
-    path = cache_dir() / f"{model_key(model)}.json"
-    if not recalibrate and path.is_file():
-        try:
-            times = json.loads(path.read_text())["verify_seconds"]
-            if len(times) >= n_max:
-                return times[:n_max]
-        except (ValueError, KeyError):
-            pass  # a damaged entry is measured again
+    """Seconds of a forward over n = 1..n_max tokens for this model on this device.
+
+    Measured once and cached on disk (`cache_dir()`); when that folder cannot be
+    read or written the curve is kept in memory for this process instead.
+    """
+    key = model_key(model)
+    if not recalibrate:
+        times = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
+        if times is not None and len(times) >= n_max:
+            _CURVES[key] = times
+            return times[:n_max]
     log.info("calibrating the verify cost curve of this model (once per model and device)")
-    times = measure_verify_seconds(model, n_max)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"verify_seconds": times}))
-    tmp.replace(path)
-    return times
+    times = measure_verify_seconds(model, max(n_max, len(_CURVES.get(key, ()))))
+    _CURVES[key] = times
+    _write_curve(cache_dir() / f"{key}.json", times)
+    return times[:n_max]
+
+
+def _read_curve(path: Path) -> list[float] | None:
+    try:
+        return [float(t) for t in json.loads(path.read_text())["verify_seconds"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, unreadable or damaged: measured again
+
+
+def _write_curve(path: Path, times: list[float]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"verify_seconds": times}))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("cannot write the calibration cache %s (%s); keeping it in memory "
+                    "for this process (set MLX_SPEC_CACHE to a writable folder)", path, e)
 
 
 def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeats: int = 3) -> list[float]:
@@ -285,21 +313,30 @@ def calibrate(model) -> list[float]:
     return verify_seconds(model, recalibrate=True)
 
 
-def policy_for(model, drafter, k_max: int, replays: bool = False,
-               recalibrate: bool = False) -> AdaptiveK:
-    """The adaptive policy for this target and drafter (`replays`: recurrent target).
+_POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
 
-    The policy lives on the drafter, so what it learned (acceptance per
-    position, the cost curve's real shape) carries over to the next call with
-    the same target instead of starting again from the prior.
+
+def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
+               seeded: bool = False, recalibrate: bool = False) -> AdaptiveK:
+    """The adaptive policy for this target, drafter and sampling settings.
+
+    What a policy learned (acceptance per position, the cost curve's real
+    shape) carries over to the next call with the same drafter, target and
+    sampling settings. A `seeded` call gets a fresh policy that ignores step
+    timings, so its choices depend only on the (cached) calibration and the
+    tokens: a seeded run repeats exactly.
     """
-    key = (id(model), k_max, replays)
-    kept = getattr(drafter, "_mlx_spec_policy", None)
-    if kept is not None and kept[0] == key and not recalibrate:
-        return kept[1]
     verify = verify_seconds(model, recalibrate=recalibrate)
     draft_model = getattr(drafter, "model", None)
     per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
-    policy = AdaptiveK(CostModel(verify, per_token), k_max, replays=replays)
-    drafter._mlx_spec_policy = (key, policy)
-    return policy
+
+    def fresh() -> AdaptiveK:
+        return AdaptiveK(CostModel(verify, per_token), k_max, replays=replays, timed=not seeded)
+
+    if seeded:
+        return fresh()
+    known = _POLICIES.setdefault(drafter, dict)
+    key = (model_key(model), k_max, replays, sampling)
+    if recalibrate or key not in known:
+        known[key] = fresh()
+    return known[key]

@@ -2,6 +2,7 @@
 and losslessness whatever k it picks."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -158,6 +159,7 @@ def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
 
 def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch):
     monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(adaptive, "_CURVES", {})
     calls = []
     monkeypatch.setattr(adaptive, "measure_verify_seconds",
                         lambda model, n_max: calls.append(1) or [0.01 * (n + 1) for n in range(n_max)])
@@ -165,6 +167,9 @@ def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch)
     adaptive.verify_seconds(model)
     adaptive.verify_seconds(model)
     assert len(calls) == 1  # the second call read the cache
+    monkeypatch.setattr(adaptive, "_CURVES", {})  # a new process
+    adaptive.verify_seconds(model)
+    assert len(calls) == 1  # it reads the file
     adaptive.verify_seconds(model, recalibrate=True)
     assert len(calls) == 2
 
@@ -211,17 +216,78 @@ def test_recurrent_targets_pay_for_replays_so_k_shrinks():
     assert hybrid.choose()[0] <= plain.choose()[0]
 
 
+def policies(drafter):
+    return dict(adaptive._POLICIES.get(drafter, {}))
+
+
 def test_what_the_policy_learned_carries_over_to_the_next_call():
     model = tiny.llama_model(seed=4)
     drafter = mlx_spec.DraftModelDrafter(model)  # the target itself: everything is accepted
     prompt = [5, 6, 7, 8]
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=30))
-    policy = drafter._mlx_spec_policy[1]
+    assert not hasattr(drafter, "_mlx_spec_policy")  # nothing is written onto user objects
+    (key, policy), = policies(drafter).items()
     learned = max(policy.estimates(s)[0] for s in (0, 1))
     assert learned > adaptive.PRIOR  # it saw acceptances
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=5))
-    assert drafter._mlx_spec_policy[1] is policy
+    assert policies(drafter) == {key: policy}
     assert max(policy.estimates(s)[0] for s in (0, 1)) >= learned
-    other = tiny.llama_model(seed=5)  # another target: start again
+    # Another architecture, or sampling instead of greedy: a policy of its own.
+    other = tiny.llama_model(seed=5, layers=3)
     list(mlx_spec.stream_generate(other, tiny.tokenizer(), prompt, drafter, max_tokens=5))
-    assert drafter._mlx_spec_policy[1] is not policy
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=5, temp=1.0))
+    assert len(policies(drafter)) == 3 and policies(drafter)[key] is policy
+    # A seeded run starts from a fresh policy that ignores timings, and keeps nothing.
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=5, seed=1))
+    assert len(policies(drafter)) == 3
+
+
+def test_policies_die_with_their_drafter():
+    import gc
+
+    model = tiny.llama_model(seed=4)
+    drafter = mlx_spec.NGramDrafter()
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), [5, 6, 5, 6], drafter, max_tokens=5))
+    entries = len(adaptive._POLICIES._entries)
+    del drafter
+    gc.collect()
+    assert len(adaptive._POLICIES._entries) == entries - 1
+
+
+def test_an_unwritable_calibration_folder_keeps_the_curve_in_memory(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setattr(adaptive, "cache_dir", lambda: blocked / "calibration")
+    monkeypatch.setattr(adaptive, "_CURVES", {})
+    calls = []
+    monkeypatch.setattr(adaptive, "measure_verify_seconds",
+                        lambda model, n_max: calls.append(1) or [0.01 * (n + 1) for n in range(n_max)])
+    model = tiny.llama_model(seed=6)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), [5, 6, 5, 6],
+                                        mlx_spec.NGramDrafter(), max_tokens=6))
+    assert len(out) == 6 and len(calls) == 1
+    adaptive.verify_seconds(model)
+    assert len(calls) == 1  # measured once per process
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_a_seeded_auto_run_repeats_exactly_whatever_the_timings(temp, monkeypatch):
+    import time as _time
+
+    model = tiny.llama_model(seed=4)
+    drafter = mlx_spec.DraftModelDrafter(tiny.llama_model(seed=4, layers=1))
+    prompt = [5, 6, 7, 8, 5, 6]
+
+    def run():
+        out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=40,
+                                            temp=temp, seed=3, trace=True))
+        return [r.token for r in out], out[-1].stats.chosen_k
+
+    first = run()
+    # Steps now look 1-30x slower at random: an unseeded policy would change its k.
+    clock = _time.perf_counter
+    rng = np.random.default_rng(0)
+    monkeypatch.setattr(_time, "perf_counter", lambda: clock() * float(rng.uniform(1, 30)))
+    second = run()
+    monkeypatch.undo()
+    assert first == second and len(set(first[1])) > 1  # several k were chosen, the same ones
