@@ -2,8 +2,9 @@
 
 Each step builds one lazy MLX graph (the drafter's proposal, one target forward
 over `[y, d0 .. d(k-1)]`, the acceptance) and evaluates it once; reading its
-result is the step's only host sync. `drafter=None` runs the same loop with
-k = 0, which is plain decoding: the baseline goes through the same code.
+result is the step's only host sync (`mlx_spec.verify`). `drafter=None` runs
+the same loop with k = 0, which is plain decoding: the baseline goes through
+the same code.
 """
 
 from __future__ import annotations
@@ -13,194 +14,139 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .acceptance import accept
-from .cache import MAX_DRAFT, Checkpoint, is_recurrent, prepare_cache
-from .drafters.base import EMPTY, Draft, Drafter
-from .sampling import Sampling
+from .cache import MAX_DRAFT, is_recurrent, prepare_cache
+from .drafters.base import EMPTY, Drafter
+from .identity import Claims
+from .request import Request, make_request, refuse_unsupported, resolve_drafter
 from .stats import SpecStats
-from .taps import Taps
+from .verify import Verifier
 
 DEFAULT_NUM_DRAFT_TOKENS = "auto"
-PREFILL_STEP = 2048
+CLAIMS = Claims()  # drafters and prompt caches in use by a live generator
 
 
 @dataclass
 class Response:
+    """One generated token, with mlx-lm's `GenerationResponse` fields (and `stats` on the last)."""
+
     text: str  # the new text segment
     token: int
+    logprobs: mx.array  # [V] the target's log-probabilities at this position (never the drafter's)
     from_draft: bool
-    finish_reason: str | None  # None, "stop" (EOS) or "length" (max_tokens)
     prompt_tokens: int
+    prompt_tps: float
     generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # None, "stop" (EOS) or "length" (max_tokens)
     stats: SpecStats | None = None  # on the last response only
 
 
-@dataclass
-class Verdict:
-    proposed: list[int]  # the draft d[0..k)
-    n: int  # how many of it the target kept
-    token: int  # the target's own next token (correction or bonus): the new y
-    taps: dict | None  # target hidden states at the kept inputs [y, d0 .. d(n-1)]
-
-    @property
-    def emitted(self) -> list[int]:
-        return self.proposed[: self.n] + [self.token]
-
-
-class Verifier:
-    """The target side of a step: prefill, then one verify forward per block.
-
-    With `tap_ids` it also returns the target hidden states the drafter reads,
-    for exactly the positions the target keeps.
-    """
-
-    def __init__(self, model, cache: list, sampling: Sampling, tap_ids: tuple = ()):
-        self.model, self.cache, self.sampling = model, cache, sampling
-        self.taps = Taps(model, tap_ids) if tap_ids else None
-        self.consumed = 0  # tokens the target's cache holds from this call
-        self.sync_seconds = 0.0  # time spent waiting for MLX to evaluate the steps
-        self._last: tuple[Checkpoint, list[int]] | None = None
-
-    def _read_taps(self, keep: int) -> dict | None:
-        return None if self.taps is None else {i: h[:keep] for i, h in self.taps.read().items()}
-
-    def prefill(self, tokens: Sequence[int]) -> tuple[int, dict | None]:
-        """Consume the prompt; return the target's first token y and the prompt's taps."""
-        chunks = [tokens[i : i + PREFILL_STEP] for i in range(0, len(tokens), PREFILL_STEP)]
-        taps = []
-        for chunk in chunks:
-            logits = self.model(mx.array(chunk)[None], cache=self.cache)
-            taps.append(self._read_taps(len(chunk)))
-            if chunk is not chunks[-1]:
-                mx.eval([c.state for c in self.cache], taps[-1])
-        y = self.sampling.sample(logits[0, -1]).item()
-        self.consumed = len(tokens)
-        if self.taps is None:
-            return y, None
-        return y, {i: mx.concatenate([t[i] for t in taps]) for i in taps[0]}
-
-    def step(self, y: int, draft: Draft) -> Verdict:
-        """Verify `draft` after y: one target forward, acceptance, rollback."""
-        ckpt = Checkpoint(self.model, self.cache)
-        fed = 1 + draft.size
-        try:
-            inputs = mx.concatenate([mx.array([y], mx.uint32), draft.tokens])
-            logits = self.model(inputs[None], cache=self.cache)[0]  # [k+1, V]
-            n, nxt = accept(logits, draft.tokens, draft.q, self.sampling, draft.length)
-            length = mx.array(draft.size) if draft.length is None else draft.length
-            tail = mx.stack([nxt, n, length]).astype(mx.uint32)
-            tic = time.perf_counter()
-            *proposed, nxt, n, length = mx.concatenate([draft.tokens, tail]).tolist()  # the one sync
-            self.sync_seconds += time.perf_counter() - tic
-        except BaseException:
-            ckpt.keep([], fed)  # leave the cache as it was before the step
-            raise
-        proposed = proposed[:length]  # a confidence cut verifies only this prefix
-        kept = [y] + proposed[:n]
-        ckpt.keep(kept, fed)
-        self._last, self.consumed = (ckpt, kept), self.consumed + len(kept)
-        return Verdict(proposed, n, nxt, self._read_taps(n + 1))
-
-    def truncate(self, drop: int) -> None:
-        """Forget the last `drop` (<= the last step's) consumed tokens."""
-        if drop > 0 and self._last is not None:
-            ckpt, kept = self._last
-            ckpt.keep(kept[: len(kept) - drop], len(kept))
-            self.consumed -= drop
-            self._last = None
-
-    def close(self) -> None:
-        if self.taps is not None:
-            self.taps.remove()
-
-
-def stream_generate(
-    model,
-    tokenizer,
-    prompt: str | Sequence[int],
-    drafter: Drafter | None = None,
-    *,
-    max_tokens: int = 256,
-    num_draft_tokens: int | str = DEFAULT_NUM_DRAFT_TOKENS,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    seed: int | None = None,
-    prompt_cache: list | None = None,
-    trace: bool = False,
-) -> Iterator[Response]:
+def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
+                    drafter: Drafter | None = None, *, draft_model=None, prompt_cache: list | None = None,
+                    **options) -> Iterator[Response]:
     """Yield the target's own continuation of `prompt`, sped up by `drafter`.
 
     Greedy output is token for token the target's; sampled output has exactly
-    the target's distribution. Bad input raises ValueError here, before any
-    model work. `num_draft_tokens` is 1..16 or "auto" (chosen per step from the
-    measured verify cost and the acceptance so far; see `mlx_spec.adaptive`).
-    `prompt_cache` (from `mlx_spec.make_cache`) holds exactly the committed
-    tokens when the generator ends or is closed early.
+    the target's distribution (see "What lossless means here" in the README).
+    `options`: max_tokens (-1: no limit), num_draft_tokens (1..16 or "auto",
+    chosen per step from the measured verify cost and the acceptance so far),
+    temp, top_p, top_k, min_p, seed, logits_processors,
+    prompt_progress_callback, prefill_step_size, max_kv_size, kv_bits,
+    kv_group_size, quantized_kv_start (as in mlx-lm), trace. Bad input raises
+    here, before any model work. `prompt_cache` (from `mlx_spec.make_cache` or
+    mlx-lm) holds the prompt and every token the caller saw when the generator
+    ends or is closed early, as mlx-lm's does.
     """
+    refuse_unsupported({k: v for k, v in options.items() if k not in _OPTIONS})
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    ids = _encode(tokenizer, prompt)
-    if not (isinstance(max_tokens, int) and max_tokens >= 1):
-        raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    _check_num_draft(num_draft_tokens)
-    sampling = Sampling(temp, top_p, top_k, min_p)
-    cache = prepare_cache(model, prompt_cache)
+    request = make_request(model, tokenizer, prompt, **options)
+    drafter = resolve_drafter(drafter, draft_model, CLAIMS)
+    claimed = [(obj, what) for obj, what in ((drafter, "drafter"), (prompt_cache, "prompt cache"))
+               if obj is not None]
+    for obj, what in claimed:
+        CLAIMS.check(obj, what)
+    if prompt_cache is None:
+        cache = prepare_cache(model, make_prompt_cache(model, request.max_kv_size))
+    else:
+        cache = prepare_cache(model, prompt_cache)
     if drafter is not None:
-        drafter.bind(model, tokenizer)
-    lengths = _draft_lengths(model, drafter, num_draft_tokens, is_recurrent(cache))
-    return _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens, seed, trace)
+        drafter.bind(model, tokenizer)  # checks the pair, resets the drafter; nobody else uses it
+    gen = _generate(model, tokenizer, request, drafter, cache, prompt_cache is not None)
+    for obj, _ in claimed:
+        CLAIMS.take(obj, gen)
+    return gen
 
 
-def _decode(model, tokenizer, ids, drafter, lengths, sampling, cache, max_tokens, seed, trace):
-    if seed is not None:
-        mx.random.seed(seed)
-    stats = SpecStats(prompt_tokens=len(ids))
+_OPTIONS = {"max_tokens", "num_draft_tokens", "temp", "top_p", "top_k", "min_p", "seed",
+            "logits_processors", "prompt_progress_callback", "prefill_step_size", "max_kv_size",
+            "kv_bits", "kv_group_size", "quantized_kv_start", "trace"}
+
+
+def _generate(model, tokenizer, request, drafter, cache, keep_cache):
+    with wired_limit(model, [generation_stream]):
+        yield from _decode(model, tokenizer, request, drafter, cache, keep_cache)
+
+
+def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
+    if req.seed is not None:
+        mx.random.seed(req.seed)
+    stats = SpecStats(prompt_tokens=len(req.prompt))
     detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
     detok.reset()
-    verifier = Verifier(model, cache, sampling, drafter.taps if drafter is not None else ())
-    tic = time.perf_counter()
-    y, taps = verifier.prefill(ids)
-    if drafter is not None:
-        drafter.prefill(ids, taps)
-    stats.prompt_tps = len(ids) / (time.perf_counter() - tic)
-    tic = time.perf_counter()
-    block, emitted = [(y, False)], 0
+    verifier = Verifier(model, cache, req, drafter.taps if drafter is not None else ())
+    emitted = last = 0
     try:
-        while True:
-            for token, from_draft in block:
-                emitted += 1
-                finish = "stop" if token in eos else None
-                if finish is None:
-                    detok.add_token(token)
-                    finish = "length" if emitted == max_tokens else None
-                if finish is None:
-                    yield Response(detok.last_segment, token, from_draft, None, len(ids), emitted)
-                    continue
-                detok.finalize()
-                _finish_stats(stats, emitted, tic)
-                yield Response(detok.last_segment, token, from_draft, finish, len(ids), emitted, stats)
-                return
-            k, gain = lengths.choose()
-            k = min(k, max_tokens - emitted - 1)  # the block's last token must fit too
-            t0 = time.perf_counter()
-            draft = drafter.propose(y, k, sampling) if k > 0 else EMPTY
-            v = verifier.step(y, draft)
-            lengths.observe(len(v.proposed), v.n, time.perf_counter() - t0)
-            stats.observe(v.proposed, v.n, trace, k, gain)
+        tic = time.perf_counter()
+        with mx.stream(generation_stream):
+            y, logprobs, taps = verifier.prefill(req.prompt)
             if drafter is not None:
-                drafter.commit([y] + v.proposed[: v.n], v.taps)
+                drafter.prefill(req.prompt, taps)
+        stats.prompt_tps = len(req.prompt) / (time.perf_counter() - tic)
+        lengths = _draft_lengths(model, drafter, req, is_recurrent(cache))
+        block, tic = [(y, False, logprobs)], time.perf_counter()
+        while True:
+            for token, from_draft, lp in block:
+                emitted, last = emitted + 1, token
+                finish = "stop" if token in eos else "length" if emitted == req.max_tokens else None
+                if token not in eos:
+                    detok.add_token(token)
+                if finish is not None:
+                    detok.finalize()
+                _finish_stats(stats, emitted, tic)
+                yield Response(detok.last_segment, token, lp, from_draft, len(req.prompt),
+                               stats.prompt_tps, emitted, stats.generation_tps, stats.peak_memory,
+                               finish, stats if finish else None)
+                if finish is not None:
+                    return
+            k, gain = lengths.choose()
+            if req.max_tokens is not None:
+                k = min(k, req.max_tokens - emitted - 1)  # the block's last token must fit too
+            t0 = time.perf_counter()
+            with mx.stream(generation_stream):
+                draft = drafter.propose(y, k, req.sampling) if k > 0 else EMPTY
+                v = verifier.step(y, draft)
+                if drafter is not None:
+                    drafter.commit([y] + v.proposed[: v.n], v.taps)
+            lengths.observe(v.size, v.n, time.perf_counter() - t0)
+            stats.observe(v.proposed, v.n, req.trace, k, gain, v.size)
             stats.step_seconds += time.perf_counter() - t0
             stats.sync_seconds = verifier.sync_seconds
-            block, y = [(t, i < v.n) for i, t in enumerate(v.emitted)], v.token
+            block, y = list(zip(v.emitted, [True] * v.n + [False], v.logprobs)), v.token
     finally:
-        verifier.close()
-        # The cache keeps what the caller saw: the prompt and all emitted tokens but the last.
-        if emitted:
-            verifier.truncate(verifier.consumed - (len(ids) + emitted - 1))
+        try:
+            if emitted == 0:  # failed before the first token: the cache as before the call
+                verifier.restore()
+            elif keep_cache:  # the prompt and every token the caller saw, as in mlx-lm
+                with mx.stream(generation_stream):
+                    verifier.finish(len(req.prompt) + emitted, last)
+        finally:
+            verifier.close()
 
 
 def _finish_stats(stats: SpecStats, emitted: int, tic: float) -> None:
@@ -221,27 +167,6 @@ def generate(model, tokenizer, prompt, drafter=None, *, verbose: bool = False, *
     return text
 
 
-def _encode(tokenizer, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        bos = tokenizer.bos_token
-        ids = tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    else:
-        ids = [int(t) for t in prompt]
-    if not ids:
-        raise ValueError("the prompt is empty: give at least one token of text")
-    return ids
-
-
-def _check_num_draft(num_draft_tokens) -> None:
-    if num_draft_tokens == "auto":
-        return
-    if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT):
-        raise ValueError(
-            f'num_draft_tokens must be "auto" or an integer in 1..{MAX_DRAFT}, '
-            f"got {num_draft_tokens!r}"
-        )
-
-
 class FixedK:
     """The same draft length every step (0: plain decoding)."""
 
@@ -255,12 +180,13 @@ class FixedK:
         pass
 
 
-def _draft_lengths(model, drafter, num_draft_tokens, recurrent: bool):
+def _draft_lengths(model, drafter, req: Request, recurrent: bool):
     if drafter is None:
         return FixedK(0)
     k_max = min(drafter.max_draft, MAX_DRAFT)
-    if num_draft_tokens == "auto":
+    if req.num_draft_tokens == "auto":
         from .adaptive import policy_for
 
-        return policy_for(model, drafter, k_max, replays=recurrent)
-    return FixedK(min(num_draft_tokens, k_max))
+        return policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
+                          seeded=req.seed is not None)
+    return FixedK(min(req.num_draft_tokens, k_max))

@@ -23,7 +23,7 @@ class SpecStats:
     generation_tps: float = 0.0
     peak_memory: float = 0.0  # GB
     target_forwards: int = 0  # verify forwards after the prefill
-    drafted: int = 0
+    drafted: int = 0  # draft tokens verified (with a confidence cut: all rows fed, examined or not)
     accepted: int = 0
     step_seconds: float = 0.0  # wall time of the verify steps (propose .. commit)
     sync_seconds: float = 0.0  # of which spent waiting for MLX to evaluate the step's graph
@@ -33,10 +33,11 @@ class SpecStats:
     _pos_accepted: list[int] = field(default_factory=list, repr=False)
 
     def observe(self, proposed: list[int], n: int, keep_trace: bool, chosen: int = 0,
-                gain: float | None = None) -> None:
-        """One verify step: `chosen` tokens asked for, `proposed` drafted, n kept."""
+                gain: float | None = None, size: int | None = None) -> None:
+        """One verify step: `chosen` tokens asked for, `size` drafted and verified (default:
+        `len(proposed)`), `proposed` examined (a confidence cut may examine fewer), n kept."""
         self.chosen_k.append(chosen)
-        k = len(proposed)
+        k = len(proposed) if size is None else size
         self.target_forwards += 1
         self.drafted += k
         self.accepted += n
@@ -66,6 +67,12 @@ class SpecStats:
     def host_overhead(self) -> float:
         """Share of the step time spent in Python (building graphs, bookkeeping)."""
         return 1 - self.sync_seconds / self.step_seconds if self.step_seconds else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        """Milliseconds of each verify step spent outside MLX evaluation, on average."""
+        f = self.target_forwards
+        return 1000 * (self.step_seconds - self.sync_seconds) / f if f else 0.0
 
     @property
     def accepted_per_position(self) -> list[float]:

@@ -30,7 +30,8 @@ import tiny
 from mlx_spec import DraftModelDrafter, NGramDrafter
 from mlx_spec.cache import Checkpoint, make_cache
 from mlx_spec.drafters.base import Draft
-from mlx_spec.decode import Verifier
+from mlx_spec.request import Request
+from mlx_spec.verify import Verifier
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import FINAL_NORM, decoder_stack
 from stats_utils import chi2_pvalue, exact_marginals
@@ -150,8 +151,8 @@ def test_verifier_rollback_on_a_hybrid_target_equals_a_fresh_cache(blocks, promp
     model = _tiny_hybrid()
     prompt = np.random.default_rng(prompt_len).integers(0, tiny.VOCAB, prompt_len).tolist()
     cache = make_cache(model)
-    verifier = Verifier(model, cache, Sampling())
-    y, _ = verifier.prefill(prompt)
+    verifier = Verifier(model, cache, Request())
+    y, _, _ = verifier.prefill(prompt)
     committed = prompt + [y]  # the target has consumed all but y
     for k, keep, seed in blocks:
         keep = min(keep, k)

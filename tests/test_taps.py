@@ -20,7 +20,8 @@ import tiny
 from mlx_spec import NGramDrafter, Sampling, make_cache, stream_generate
 from mlx_spec.drafters.base import EMPTY
 from mlx_spec.drafters.eagle.drafter import target_lm_head
-from mlx_spec.decode import Verifier
+from mlx_spec.request import Request
+from mlx_spec.verify import Verifier
 from mlx_spec.taps import EMBED, FINAL_NORM, Taps, _Recorder, decoder_stack
 
 
@@ -187,7 +188,7 @@ def test_no_taps_installed_unless_a_drafter_asks():
     assert probe.seen and not any(probe.seen)
     assert all(t is None for t in probe.received)
     assert tuple(NGramDrafter().taps) == ()  # the loop installs taps only for a drafter's ids
-    assert Verifier(model, make_cache(model), Sampling(), ()).taps is None
+    assert Verifier(model, make_cache(model), Request(), ()).taps is None
 
     asking = _Probe(taps=(1, FINAL_NORM))
     list(stream_generate(model, tok, [1, 2, 3], asking, max_tokens=4, num_draft_tokens=2))
