@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli import report
+from .load_errors import ModelLoadError
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -51,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     try:
         return _generate(args, prompt)
+    except ModelLoadError:
+        raise  # reported by mlx_spec.cli, like every command's load failures
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e, args)
 
 
 def resolve_model(name: str) -> str:
