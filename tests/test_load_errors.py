@@ -7,8 +7,6 @@ Each case breaks a copy of a tiny model folder (or head folder) the way a user's
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import subprocess
@@ -17,7 +15,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
 import mlx_spec
 import tiny
@@ -32,13 +29,7 @@ def good(tmp_path_factory) -> dict[str, Path]:
     from converters.eagle import v1
 
     root = tmp_path_factory.mktemp("good")
-    model = tiny.llama_model(layers=2)
-    target = root / "target"
-    target.mkdir()
-    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
-    (target / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    tiny.tokenizer(eos=0)._tokenizer.save_pretrained(str(target))
+    target = tiny.model_folder(root / "target")
     eagle1_checkpoint(root / "eagle-src", 64, tiny.VOCAB, fmt="safetensors")
     head = v1.convert(root / "eagle-src", root / "head", target)
     return {"target": target, "head": head}
