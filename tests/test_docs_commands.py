@@ -1,7 +1,8 @@
 """Every command the docs and the CLI's messages tell a user to run exists here, with its flags.
 
 Commands come from README.md and docs/*.md (shell blocks and inline code) and from the
-backticked spans of mlx_spec/ and converters/ (error messages, help, docstrings). For each
+backticked spans of mlx_spec/ and converters/ (error messages, help, docstrings) and of
+the bench's claims.json. For each
 `hf ...`, `mlx-spec ...`, `mlx_lm.<tool> ...`, `python scripts/...` and `pip install ...`
 the program or subcommand must exist in this environment and accept every flag used.
 Offline: only `--help` is run.
@@ -28,6 +29,7 @@ from mlx_spec import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE = sorted(p for d in ("mlx_spec", "converters") for p in (ROOT / d).rglob("*.py"))
+CODE.append(ROOT / "mlx_spec" / "bench" / "data" / "claims.json")
 PROGRAM = re.compile(r"(?:^|(?<=[\s(;]))(hf|huggingface-cli|mlx-spec|mlx_lm\.\w+|pip3? install|python3? scripts/\S+|"
                      r"python3? -m mlx_spec)(?=\s|$)")
 
@@ -201,3 +203,15 @@ def test_commands_are_cut_where_the_shell_cuts_them():
     assert commands(f"```sh\n{text}```", markdown=True) == [
         "pip install -e .", "mlx-spec generate --prompt hi", "mlx-spec fetch-model qwen",
         "mlx-spec generate [--draft ngram|HEAD_DIR | --draft-model PATH] --max-tokens N"]
+
+
+def test_docs_cite_public_sources_and_link_files_that_exist():
+    # The project's design notes are not shipped: users cannot open them.
+    private = re.compile(r"shared/design|\.\./shared|formats\.md|anchors\.md")
+    texts = {p: p.read_text() for p in [*DOCS, *sorted((ROOT / "mlx_spec" / "bench").rglob("*.*"))]
+             if p.suffix in (".md", ".py", ".json")}
+    assert [str(p) for p, t in texts.items() if private.search(t)] == []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if not re.match(r"[a-z]+:|#", target):
+                assert (doc.parent / target.split("#")[0]).exists(), f"{doc.name} links {target}"
