@@ -183,3 +183,18 @@ def test_safetensors_framing_check(good, tmp_path):
         f"is truncated ({path.stat().st_size - 1:,} of {path.stat().st_size:,} bytes)")
     copy.write_bytes(b"\xff" * 64)
     assert "damaged or truncated" in safetensors_problem(copy)
+
+
+def test_the_fix_follows_where_the_folder_came_from(good, tmp_path):
+    from mlx_spec.load_errors import fix_for
+
+    hub = _copy(good["target"], tmp_path / "hub" / "models--org--name" / "snapshots" / "abc123")
+    assert fix_for(hub) == "download it again: `hf download org/name --force-download`"
+    gguf = _copy(good["target"], tmp_path / "from-gguf")
+    (gguf / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    assert f"`mlx-spec convert gguf {gguf / 'model.Q4_K_M.gguf'} OUT_DIR`" in fix_for(gguf)
+    assert "mlx-spec convert head" in fix_for(good["head"])
+    entry = _copy(good["target"], tmp_path / "cache" / "models" / "gemma-3-270m-bfloat16")
+    zoo._write_marker(entry, zoo.MODELS["gemma-3-270m"], "bfloat16")
+    assert fix_for(entry) == (f"fetch it again: `mlx-spec fetch-model gemma-3-270m --force "
+                              f"--dtype bfloat16 --cache-dir {tmp_path / 'cache'}`")
