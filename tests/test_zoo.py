@@ -193,7 +193,9 @@ def test_cli_prints_the_path_last(tmp_path, monkeypatch, capsys):
 
 def test_cli_error_is_short(tmp_path, monkeypatch, capsys):
     spec, _ = _fake_model(tmp_path, monkeypatch, sha256="1" * 64)
-    args = argparse.Namespace(name=spec.name, dtype="float32", cache_dir=str(tmp_path / "c"), force=False)
+    args = argparse.Namespace(
+        name=spec.name, dtype="float32", cache_dir=str(tmp_path / "c"), force=False
+    )
     assert zoo.run(args) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: checksum mismatch")
 
@@ -205,7 +207,9 @@ def test_cli_error_is_short(tmp_path, monkeypatch, capsys):
 def test_smollm2_is_cached_and_complete(smollm2_path, capsys):
     assert smollm2_path.name == "smollm2-135m-instruct-float32"
     assert zoo.is_complete(smollm2_path, zoo.MODELS["smollm2-135m-instruct"])
-    args = argparse.Namespace(name="smollm2-135m-instruct", dtype="float32", cache_dir=None)
+    args = argparse.Namespace(
+        name="smollm2-135m-instruct", dtype="float32", cache_dir=None, force=False
+    )
     assert zoo.run(args) == 0  # instant: already there
     assert capsys.readouterr().out.splitlines()[-1] == str(smollm2_path)
 
