@@ -21,6 +21,7 @@ from pathlib import Path
 
 ZOO_MARKER = ".mlx-spec-complete.json"  # mlx_spec.zoo.MARKER (not imported: zoo is heavier)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+TOKENIZER_MODULES = ("mlx_lm.tokenizer_utils", "transformers", "tokenizers")
 _WEIGHTS_MISFIT = re.compile(r"Missing \d+ parameters|parameters not in model|Expected shape")
 _MAX_DETAIL = 240
 
@@ -93,10 +94,11 @@ def explain(error: BaseException, source, role: str = "model") -> ModelLoadError
         return ModelLoadError(
             folder / "config.json", f"names model_type {model_type.group(1)!r}, which the "
             "installed mlx-lm does not support",
-            fix if _zoo_entry(folder) else "upgrade mlx-lm (`pip install -U mlx-lm`), or fix the file",
+            fix if _zoo_entry(folder) else "upgrade mlx-lm (`pip install -U mlx-lm`) or fix it",
         )
-    if role == "model" and _raised_in(error, ("mlx_lm.tokenizer_utils", "transformers", "tokenizers")):
-        return ModelLoadError(folder / "tokenizer.json", f"does not load as a tokenizer ({_short(text)})", fix)
+    if role == "model" and _raised_in(error, TOKENIZER_MODULES):
+        where = folder / "tokenizer.json"
+        return ModelLoadError(where, f"does not load as a tokenizer ({_short(text)})", fix)
     if isinstance(error, (OSError, KeyError)) or "load_safetensors" in text:
         return ModelLoadError(folder, f"cannot be loaded ({_short(text)})", fix)
     return None
@@ -194,13 +196,15 @@ def fix_for(folder: Path, role: str = "model") -> str:
         return f"download it again: `hf download {hub.group(1)}/{hub.group(2)} --force-download`"
     config, _ = _read_json(folder / "config.json")
     if (isinstance(config, dict) and "mlx_spec" in config) or (role == "head" and config is None):
-        return f"convert the head again: `mlx-spec convert head SRC {folder} --target TARGET --force`"
+        cmd = f"mlx-spec convert head SRC {folder} --target TARGET --force"
+        return f"convert the head again: `{cmd}`"
     gguf = sorted(folder.glob("*.gguf"))
     if gguf:
-        return f"convert the GGUF again: `mlx-spec convert gguf {gguf[0]} OUT_DIR`, then use OUT_DIR"
+        return f"convert the GGUF again (`mlx-spec convert gguf {gguf[0]} OUT_DIR`), use OUT_DIR"
     return (
-        f"replace the folder: download the model again (`hf download ORG/NAME --local-dir {folder}`) "
-        f"or convert it again (`mlx_lm.convert --hf-path ORG/NAME --mlx-path NEW_DIR`)"
+        "replace the folder: download the model again "
+        f"(`hf download ORG/NAME --local-dir {folder}`) or convert it again "
+        "(`mlx_lm.convert --hf-path ORG/NAME --mlx-path NEW_DIR`)"
     )
 
 
