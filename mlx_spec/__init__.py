@@ -27,6 +27,7 @@ _EXPORTS = {
     "generate": ".decode",
     "stream_generate": ".decode",
     "load_drafter": ".heads",
+    "ModelLoadError": ".load_errors",
     "Sampling": ".sampling",
     "SpecStats": ".stats",
 }
@@ -43,19 +44,26 @@ def __dir__():
 
 
 def load(path_or_repo: str):
-    """Load an mlx-lm model folder or Hugging Face repo: returns (model, tokenizer)."""
+    """Load an mlx-lm model folder or Hugging Face repo: returns (model, tokenizer).
+
+    Raises `ModelLoadError` (a ValueError and an OSError) naming the missing or damaged
+    file and how to replace it, when the folder or repo cannot be loaded.
+    """
     from pathlib import Path
 
     from mlx_lm import load as _load
 
+    from .load_errors import ModelFileNotFoundError, explained
+
     path = Path(path_or_repo).expanduser()
     looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
     if not path.exists() and not looks_like_repo:
-        raise FileNotFoundError(
-            f"no model folder at {path_or_repo!r} (and it is not a Hugging Face repo id "
-            "like 'org/name')"
+        raise ModelFileNotFoundError(
+            path_or_repo, "is neither a folder nor a Hugging Face repo id ('org/name')",
+            "give a model folder (with config.json), a repo id, or (on the command line) a zoo name",
         )
-    return _load(str(path) if path.exists() else path_or_repo)
+    with explained(path_or_repo, "model"):
+        return _load(str(path) if path.exists() else path_or_repo)
 
 
 __all__ = ["load", *_EXPORTS]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+from .load_errors import ModelLoadError
 
 # name -> (module, help). "convert" has kinds of its own, below.
 COMMANDS = {
@@ -61,6 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except ModelLoadError as e:  # any command: one line naming the file and the fix
+        return report(e, args)
+
+
+def report(error: Exception, args: argparse.Namespace) -> int:
+    """Print `error` as one `error: ...` line on stderr (after its traceback when the
+    command was given an explicit --verbose); the exit code is 2."""
+    if getattr(args, "verbose", None) is True:
+        traceback.print_exception(error)
+    print(f"error: {error}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """`mlx-spec generate`: speculative decoding from the command line.
 
-Flag names follow `mlx_lm.generate` where they overlap. With no --model it
-uses the zoo's SmolLM2-135M-Instruct (fetched on first use); with no drafter
-flag it drafts with prompt lookup (n-gram).
+Flags and defaults follow `mlx_lm.generate` (mlx-lm 0.32.2) where they overlap: --prompt
+defaults to "hello" ("-" reads stdin), --max-tokens to 100, --extra-eos-token takes several
+tokens, --system-prompt goes into the chat template, and --verbose takes mlx-lm's True/False
+as well as the bare flag. With no --model it uses the zoo's SmolLM2-135M-Instruct (fetched
+on first use); with no drafter flag it drafts with prompt lookup (n-gram). The README's
+"Command line" section lists every difference from mlx_lm.generate.
 """
 
 from __future__ import annotations
@@ -10,7 +13,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .cli import report
+from .load_errors import ModelLoadError
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_PROMPT = "hello"  # as mlx_lm.generate
+DEFAULT_MAX_TOKENS = 100  # as mlx_lm.generate
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +31,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",
                    help="measure this model's verify cost curve again (used by auto)")
-    p.add_argument("--prompt", "-p", required=True, help="the prompt text, or - to read stdin")
-    p.add_argument("--max-tokens", "-m", type=int, default=256)
+    p.add_argument("--extra-eos-token", nargs="+", default=(), metavar="TOKEN",
+                   help="more tokens (as the vocabulary spells them, or ids) that end generation")
+    p.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
+                   help=f"the prompt text, or - to read stdin (default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -32,7 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as is, without the model's chat template")
-    p.add_argument("--verbose", action="store_true", help="also print per-position acceptance")
+    p.add_argument("--verbose", nargs="?", const=True, default=None, type=_bool, metavar="True|False",
+                   help="False: print only the generated text. True or the bare flag: also "
+                   "acceptance per draft position, and tracebacks on errors")
 
 
 def _k(value: str):
@@ -44,16 +59,28 @@ def _k(value: str):
         raise argparse.ArgumentTypeError(f"expected an integer 1..16 or auto, got {value!r}")
 
 
+def _bool(value: str) -> bool:
+    """mlx_lm.generate's --verbose values: True/T or False/F (any case); also 1/0, yes/no."""
+    word = value.lower()
+    if word in ("true", "t", "1", "yes"):
+        return True
+    if word in ("false", "f", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.draft is not None and args.draft_model is not None:
         print("error: --draft and --draft-model are alternatives; give one", file=sys.stderr)
         return 2
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate
+    prompt = sys.stdin.read() if prompt == "-" else prompt
     try:
         return _generate(args, prompt)
+    except ModelLoadError:
+        raise  # reported by mlx_spec.cli, like every command's load failures
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e, args)
 
 
 def resolve_model(name: str) -> str:
@@ -105,31 +132,66 @@ def _generate(args, prompt: str) -> int:
     log = logging.getLogger("mlx_spec")  # progress notes (e.g. calibration) on stderr
     log.setLevel(logging.INFO)
     log.addHandler(logging.StreamHandler(sys.stderr))
-    if not prompt.strip():
-        raise ValueError("the prompt is empty")
     model_path = resolve_model(args.model)
     model, tokenizer = mlx_spec.load(model_path)
+    for token in args.extra_eos_token:
+        add_eos_token(tokenizer, token)
     drafter = make_drafter(args, model, model_path)
-    if not args.ignore_chat_template and tokenizer.chat_template is not None:
-        messages = [{"role": "user", "content": prompt}]
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     if args.recalibrate:
         mlx_spec.calibrate(model)
-    last = None
+    show = args.verbose is not False
+    if show:
+        print("=" * 10)
+    text, last = "", None
     for last in mlx_spec.stream_generate(
-        model, tokenizer, prompt, drafter, max_tokens=args.max_tokens,
+        model, tokenizer, ids, drafter, max_tokens=args.max_tokens,
         num_draft_tokens=args.num_draft_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
         min_p=args.min_p, seed=args.seed,
     ):
         print(last.text, end="", flush=True)
-    s = last.stats
-    print("\n" + "=" * 10)
-    print(
-        f"{s.generation_tps:.2f} tokens/s, {s.generation_tokens} tokens, tau {s.tau:.2f}, "
-        f"acceptance {s.acceptance_rate:.1%} ({type(drafter).__name__ if drafter else 'no drafter'})"
-    )
-    if args.verbose:
-        per_pos = " ".join(f"{a:.2f}" for a in s.accepted_per_position)
-        print(f"prompt {s.prompt_tokens} tokens @ {s.prompt_tps:.1f} tokens/s; "
-              f"acceptance per position: {per_pos or '-'}; peak memory {s.peak_memory:.2f} GB")
+        text += last.text
+    print()
+    if show:
+        _summary(last.stats, drafter, args, empty=not text)
     return 0
+
+
+def encode_prompt(tokenizer, prompt: str, system: str | None, chat: bool) -> list[int]:
+    """The prompt's token ids as mlx_lm.generate makes them: the chat template (with the
+    system message) when the tokenizer has one, special tokens only without it."""
+    use_template = chat and tokenizer.has_chat_template
+    if use_template:
+        messages = [{"role": "system", "content": system}] if system is not None else []
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    elif system is not None:
+        print("note: --system-prompt is ignored without a chat template", file=sys.stderr)
+    return tokenizer.encode(prompt, add_special_tokens=not use_template)
+
+
+def add_eos_token(tokenizer, token: str) -> None:
+    """Stop at `token` too (a vocabulary entry or an id), refusing what is not a token."""
+    vocab = tokenizer.get_vocab()
+    known = token in vocab or (token.isdigit() and int(token) < max(len(vocab), tokenizer.vocab_size))
+    if not known:
+        raise ValueError(
+            f"--extra-eos-token {token!r} is not a token of this tokenizer; give it as the "
+            "vocabulary spells it (e.g. '<|im_end|>') or as a token id"
+        )
+    tokenizer.add_eos_token(token)
+
+
+def _summary(s, drafter, args, empty: bool) -> None:
+    print("=" * 10)
+    if empty:
+        print("No text generated for this prompt")
+    print(f"Prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.3f} tokens-per-sec")
+    print(f"Generation: {s.generation_tokens} tokens, {s.generation_tps:.3f} tokens-per-sec")
+    print(f"Peak memory: {s.peak_memory:.3f} GB")
+    name = type(drafter).__name__ if drafter is not None else "no drafter"
+    print(f"Speculation: tau {s.tau:.2f} tokens per target forward, acceptance "
+          f"{s.acceptance_rate:.1%} ({name}, draft length {args.num_draft_tokens})")
+    if args.verbose is True:
+        per_pos = " ".join(f"{a:.2f}" for a in s.accepted_per_position)
+        print(f"Accepted per draft position: {per_pos or '-'}")

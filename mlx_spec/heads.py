@@ -21,6 +21,8 @@ import importlib
 import json
 from pathlib import Path
 
+from .load_errors import explained
+
 # kind -> "module:function(folder, config, model, **options) -> Drafter"
 LOADERS: dict[str, str] = {
     "eagle": "mlx_spec.drafters.eagle:load",
@@ -70,30 +72,33 @@ def check_target(head: dict, model, where: str) -> None:
 def load_drafter(path: str | Path, model, kind: str | None = None, **options):
     """The drafter a folder describes, for `model` (the target).
 
+    A missing or damaged file raises `ModelLoadError` naming it and the fix.
+
     `path` is a converted head folder, or a target checkpoint folder that
     carries drafter weights (e.g. MTP layers); `kind` ("mtp", "dspark", ...)
     insists on one kind of drafter. `options` go to that kind's loader (e.g.
     DSpark's `confidence_threshold`).
     """
     folder = Path(path).expanduser()
-    config = read_head_config(folder)
-    block = config.get("mlx_spec")
-    if block is not None:
-        found = block.get("drafter")
-        if found not in LOADERS:
-            raise ValueError(
-                f"{folder}: unknown drafter kind {found!r} (this mlx-spec knows "
-                f"{sorted(LOADERS)}); was it converted by a newer version?"
-            )
-        if kind is not None and found != kind:
-            raise ValueError(f"{folder} holds a {found} head, not {kind}")
-        check_target(config, model, str(folder))
-        return _call(LOADERS[found], folder, config, model, **options)
-    for name, probe in TARGET_PROBES.items():
-        if kind in (None, name):
-            drafter = _call(probe, folder, config, model, **options)
-            if drafter is not None:
-                return drafter
+    with explained(folder, "head"):  # damaged or missing files: a ModelLoadError naming them
+        config = read_head_config(folder)
+        block = config.get("mlx_spec")
+        if block is not None:
+            found = block.get("drafter")
+            if found not in LOADERS:
+                raise ValueError(
+                    f"{folder}: unknown drafter kind {found!r} (this mlx-spec knows "
+                    f"{sorted(LOADERS)}); was it converted by a newer version?"
+                )
+            if kind is not None and found != kind:
+                raise ValueError(f"{folder} holds a {found} head, not {kind}")
+            check_target(config, model, str(folder))
+            return _call(LOADERS[found], folder, config, model, **options)
+        for name, probe in TARGET_PROBES.items():
+            if kind in (None, name):
+                drafter = _call(probe, folder, config, model, **options)
+                if drafter is not None:
+                    return drafter
     wanted = f"{kind} weights" if kind else "drafter weights"
     raise ValueError(
         f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) "

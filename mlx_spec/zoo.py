@@ -122,7 +122,12 @@ def default_cache_dir() -> Path:
 
 
 def fetch(
-    name: str, dtype: str = "float32", cache_dir: str | Path | None = None, *, progress: bool = True
+    name: str,
+    dtype: str = "float32",
+    cache_dir: str | Path | None = None,
+    *,
+    progress: bool = True,
+    force: bool = False,
 ) -> Path:
     """The MLX folder of zoo model `name`, downloading and converting it on first use.
 
@@ -131,6 +136,8 @@ def fetch(
         dtype: "float32" (fast on CPU) or "bfloat16".
         cache_dir: cache root; default `$MLX_SPEC_CACHE` or `~/.cache/mlx-spec`.
         progress: report download and conversion progress on stderr.
+        force: download and convert again even when the cached folder looks complete
+            (it only checks file sizes: a damaged file of the right size passes).
 
     Returns:
         `<cache>/models/<name>-<dtype>`, complete.
@@ -145,10 +152,12 @@ def fetch(
     spec = MODELS[name]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / "models" / f"{name}-{dtype}"
-    if is_complete(final, spec):
-        return final
-
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    if not force and is_complete(final, spec):
+        return final
+    if final.exists():
+        why = "--force" if force else f"the cached copy is incomplete or damaged ({_damage(final)})"
+        log(f"fetching {name} ({dtype}) again: {why}")
     final.parent.mkdir(parents=True, exist_ok=True)
     # Everything happens in a hidden sibling (same filesystem, so the last step is a rename).
     work = final.parent / f".{final.name}.partial-{secrets.token_hex(4)}"
@@ -159,7 +168,7 @@ def fetch(
         out = _convert(gguf_path, work / final.name, dtype, progress)
         gguf_path.unlink()  # not kept: the MLX folder is what we cache
         _write_marker(out, spec, dtype)
-        _install(out, final, spec)
+        _install(out, final, spec, replace=force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(f"{name} ({dtype}) is ready")
@@ -178,6 +187,21 @@ def is_complete(folder: Path, spec: ModelSpec) -> bool:
         )
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def _damage(folder: Path) -> str:
+    """The first file of a cached folder that differs from its marker (for the log)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+        for f, size in marker["files"].items():
+            path = folder / f
+            if not path.is_file():
+                return f"{f} is missing"
+            if path.stat().st_size != size:
+                return f"{f} has {path.stat().st_size:,} bytes, not {size:,}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"no valid {MARKER}"
+    return "written by another version"
 
 
 def _download(spec: ModelSpec, dest: Path, log) -> list[Path]:
@@ -279,10 +303,10 @@ def _write_marker(folder: Path, spec: ModelSpec, dtype: str) -> None:
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _install(out: Path, final: Path, spec: ModelSpec) -> None:
-    """Rename `out` to `final`, replacing a stale or incomplete `final`."""
+def _install(out: Path, final: Path, spec: ModelSpec, replace: bool = False) -> None:
+    """Rename `out` to `final`, replacing a stale or incomplete `final` (any, if `replace`)."""
     if final.exists():
-        if is_complete(final, spec):  # another process finished first
+        if not replace and is_complete(final, spec):  # another process finished first
             return
         stale = final.parent / f".{final.name}.stale-{secrets.token_hex(4)}"
         final.rename(stale)
@@ -300,6 +324,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=DTYPES, default="float32", help="weight dtype (default float32)"
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="download and convert again even if the cached folder looks complete "
+        "(repairs a damaged cache entry)",
+    )
+    parser.add_argument(
         "--cache-dir",
         default=None,
         help="cache root (default $MLX_SPEC_CACHE or ~/.cache/mlx-spec)",
@@ -311,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
 
     exit_on_sigterm()
     try:
-        path = fetch(args.name, dtype=args.dtype, cache_dir=args.cache_dir)
+        path = fetch(args.name, dtype=args.dtype, cache_dir=args.cache_dir, force=args.force)
     except (ZooError, OSError) as e:  # OSError: disk full, cache not writable...
         print(f"error: {e}", file=sys.stderr)
         return 2

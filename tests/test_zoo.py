@@ -149,6 +149,35 @@ def test_incomplete_folder_is_rebuilt(tmp_path, monkeypatch):
     assert not zoo.is_complete(stale, spec)
 
 
+def test_a_damaged_entry_is_fetched_again_saying_why(tmp_path, monkeypatch, capsys):
+    spec, calls = _fake_model(tmp_path, monkeypatch)
+    entry = zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False)
+    size = (entry / "model.safetensors").stat().st_size
+    with open(entry / "model.safetensors", "r+b") as f:  # an interrupted copy, say
+        f.truncate(100)
+    capsys.readouterr()
+    assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache") == entry and len(calls) == 2
+    assert (entry / "model.safetensors").stat().st_size == size
+    assert (f"fetching tiny-test (float32) again: the cached copy is incomplete or damaged "
+            f"(model.safetensors has 100 bytes, not {size:,})") in capsys.readouterr().err
+
+
+def test_force_fetches_a_folder_that_looks_complete(tmp_path, monkeypatch):
+    # A same-size edit passes the size check: only --force repairs it.
+    spec, calls = _fake_model(tmp_path, monkeypatch)
+    entry = zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False)
+    good = (entry / "config.json").read_text()
+    (entry / "config.json").write_text("x" * len(good))
+    assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
+    assert len(calls) == 1 and (entry / "config.json").read_text() != good
+    parser = argparse.ArgumentParser()
+    zoo.add_arguments(parser)
+    args = parser.parse_args([spec.name, "--cache-dir", str(tmp_path / "cache"), "--force"])
+    assert zoo.run(args) == 0
+    assert len(calls) == 2 and (entry / "config.json").read_text() == good
+    assert zoo.is_complete(entry, spec) and _cache_entries(tmp_path / "cache") == [entry.name]
+
+
 def test_cli_prints_the_path_last(tmp_path, monkeypatch, capsys):
     spec, _ = _fake_model(tmp_path, monkeypatch)
     parser = argparse.ArgumentParser()
@@ -164,7 +193,9 @@ def test_cli_prints_the_path_last(tmp_path, monkeypatch, capsys):
 
 def test_cli_error_is_short(tmp_path, monkeypatch, capsys):
     spec, _ = _fake_model(tmp_path, monkeypatch, sha256="1" * 64)
-    args = argparse.Namespace(name=spec.name, dtype="float32", cache_dir=str(tmp_path / "c"))
+    args = argparse.Namespace(
+        name=spec.name, dtype="float32", cache_dir=str(tmp_path / "c"), force=False
+    )
     assert zoo.run(args) == 2
     assert capsys.readouterr().err.splitlines()[-1].startswith("error: checksum mismatch")
 
@@ -176,7 +207,9 @@ def test_cli_error_is_short(tmp_path, monkeypatch, capsys):
 def test_smollm2_is_cached_and_complete(smollm2_path, capsys):
     assert smollm2_path.name == "smollm2-135m-instruct-float32"
     assert zoo.is_complete(smollm2_path, zoo.MODELS["smollm2-135m-instruct"])
-    args = argparse.Namespace(name="smollm2-135m-instruct", dtype="float32", cache_dir=None)
+    args = argparse.Namespace(
+        name="smollm2-135m-instruct", dtype="float32", cache_dir=None, force=False
+    )
     assert zoo.run(args) == 0  # instant: already there
     assert capsys.readouterr().out.splitlines()[-1] == str(smollm2_path)
 

@@ -48,6 +48,26 @@ def llama_model(seed=0, layers=2, hidden=64, heads=4, kv_heads=2, tied=False,
     return _finish(model, seed, sharpen)
 
 
+def model_folder(folder, layers: int = 2, eos: int | None = 0, chat_template: str | None = None):
+    """A folder `mlx_spec.load` reads: a tiny llama's config.json and weights, and the tokenizer."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_flatten
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    model = llama_model(layers=layers)
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    hf = tokenizer(eos=eos)._tokenizer
+    hf.chat_template = chat_template
+    hf.save_pretrained(str(folder))
+    return folder
+
+
 def qwen2_model(seed=0, layers=2, hidden=64, vocab=VOCAB, sharpen=8.0):
     mx.random.seed(seed)
     args = qwen2.ModelArgs(

@@ -66,9 +66,9 @@ PRESETS: dict[str, Preset] = {
         "mlx-lm-m3max", ("mlx-lm-draft-m3max", "mlx-lm-draft-m2ultra"),
         "mlx-lm's 1.82x on M3 Max: Qwen2.5-32B 4-bit target, Qwen2.5-0.5B 8-bit draft, 4 drafts",
         Need("target", "mlx-community/Qwen2.5-32B-Instruct-4bit",
-             "huggingface-cli download mlx-community/Qwen2.5-32B-Instruct-4bit (about 18 GB)"),
+             "`hf download mlx-community/Qwen2.5-32B-Instruct-4bit` (about 18 GB)"),
         Need("draft model", "mlx-community/Qwen2.5-0.5B-Instruct-8bit",
-             "huggingface-cli download mlx-community/Qwen2.5-0.5B-Instruct-8bit"),
+             "`hf download mlx-community/Qwen2.5-0.5B-Instruct-8bit`"),
         methods=("baseline", "mlx-lm-draft", "draft", "ngram"), ks=(4,),
         notes="The claim's thread does not say whether the Instruct or base checkpoints were used."),
     "muse-glimmer-dflash": Preset(
@@ -79,7 +79,7 @@ PRESETS: dict[str, Preset] = {
              "an MLX conversion of Meta's Muse Glimmer 30B (`mlx_lm.convert --hf-path <Meta's "
              "repo> -q`; Meta measured a ~17 GB K-quant), passed as --model; see docs/dflash.md"),
         head=Need("drafter head", "meta-models/Muse-Glimmer-30B-assistant",
-                  "`huggingface-cli download meta-models/Muse-Glimmer-30B-assistant`, then "
+                  "`hf download meta-models/Muse-Glimmer-30B-assistant`, then "
                   "`mlx-spec convert head <it> <out> --target <the target> --format dflash`; "
                   "pass <out> as --drafter"),
         methods=("baseline", "dflash"), ks=(16, "auto")),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .summary import ALL
 
-CHART_HINT = "pip install 'mlx-spec[bench]' (or just matplotlib)"
+CHART_HINT = "`pip install matplotlib`, or `pip install -e '.[bench]'` in a checkout"
 
 
 def _f(x, fmt: str = ".2f", none: str = "–") -> str:

@@ -1,0 +1,110 @@
+"""`mlx-spec generate`: mlx_lm.generate's flags and defaults where they overlap, and its output."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+
+import tiny
+from mlx_spec import cli, generate_cli
+
+# Overlapping flags whose defaults differ on purpose (listed in the README's Command line).
+DIFFERENT_DEFAULTS = {"model", "num_draft_tokens", "verbose"}
+
+
+def _ours(argv: list[str]) -> argparse.Namespace:
+    return cli.build_parser(["generate"]).parse_args(["generate", *argv])
+
+
+def test_overlapping_flags_have_mlx_lm_s_names_and_defaults():
+    from mlx_lm.generate import setup_arg_parser
+
+    theirs = {a.dest: a for a in setup_arg_parser()._actions}
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    mine = {a.dest: a for a in parser._actions}
+    shared = set(theirs) & set(mine) - {"help"}
+    assert {"prompt", "max_tokens", "extra_eos_token", "system_prompt", "temp", "top_p", "top_k",
+            "min_p", "seed", "ignore_chat_template", "draft_model", "verbose"} <= shared
+    for dest in shared:
+        assert set(theirs[dest].option_strings) <= set(mine[dest].option_strings), dest
+        if dest not in DIFFERENT_DEFAULTS:
+            assert mine[dest].default == theirs[dest].default, dest
+    assert _ours([]).prompt == "hello" and _ours([]).max_tokens == 100
+
+
+@pytest.mark.parametrize("argv, verbose", [
+    ([], None), (["--verbose"], True), (["--verbose", "True"], True), (["--verbose", "T"], True),
+    (["--verbose", "false"], False), (["--verbose", "F"], False), (["--verbose", "--max-tokens", "3"], True),
+])
+def test_verbose_takes_the_bare_flag_and_mlx_lm_s_true_false(argv, verbose):
+    assert _ours(argv).verbose is verbose
+
+
+def test_verbose_refuses_other_words(capsys):
+    with pytest.raises(SystemExit):
+        _ours(["--verbose", "maybe"])
+    assert "expected True or False, got 'maybe'" in capsys.readouterr().err
+
+
+def test_extra_eos_tokens_are_several():
+    assert _ours(["--extra-eos-token", "<|im_end|>", "7"]).extra_eos_token == ["<|im_end|>", "7"]
+
+
+def test_system_prompt_goes_into_the_chat_template_first():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    hf = tiny.tokenizer()._tokenizer
+    hf.chat_template = "{% for m in messages %}{{ m.content }} {% endfor %}w9"
+    tok = TokenizerWrapper(hf)
+    assert tok.decode(generate_cli.encode_prompt(tok, "w5", "w7", chat=True)) == "w7 w5 w9"
+    assert tok.decode(generate_cli.encode_prompt(tok, "w5", None, chat=True)) == "w5 w9"
+    assert generate_cli.encode_prompt(tok, "w5", "w7", chat=False) == tok.encode("w5")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tiny.model_folder(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+def _run(folder, capsys, *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(["generate", "--model", str(folder), "--num-draft-tokens", "2", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_default_output_is_mlx_lm_s_plus_a_speculation_line(folder, capsys):
+    rc, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4")
+    lines = out.splitlines()
+    assert rc == 0 and lines[0] == "=" * 10 and lines[2] == "=" * 10
+    assert lines[3].startswith("Prompt: 2 tokens, ")
+    assert lines[4].startswith("Generation: 4 tokens, ") and lines[5].startswith("Peak memory: ")
+    assert lines[6].startswith("Speculation: tau ") and "(NGramDrafter, draft length 2)" in lines[6]
+    assert len(lines) == 7  # per-position acceptance only with an explicit --verbose
+
+
+def test_verbose_false_prints_only_the_text(folder, capsys):
+    _, full, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4")
+    rc, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--verbose", "False")
+    assert rc == 0 and out == full.splitlines()[1] + "\n"
+    _, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--verbose")
+    assert out.splitlines()[-1].startswith("Accepted per draft position: ")
+
+
+def test_prompt_from_stdin_and_escaped_newlines(folder, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("w3 w4 w5"))
+    _, out, _ = _run(folder, capsys, "--prompt", "-", "-m", "2")
+    assert "Prompt: 3 tokens," in out
+    _, out, _ = _run(folder, capsys, "--prompt", "w3\\nw4", "-m", "2")  # as typed in a shell
+    assert "Prompt: 2 tokens," in out  # "\n" became a newline, so two words
+
+
+def test_extra_eos_token_ends_generation_at_it(folder, capsys):
+    _, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--verbose", "False")
+    first = out.split()[0]  # the first generated word
+    _, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--extra-eos-token", "w95", first)
+    assert "Generation: 1 tokens," in out
+    rc, _, err = _run(folder, capsys, "--extra-eos-token", "nonsense")
+    assert rc == 2 and "error: --extra-eos-token 'nonsense' is not a token of this tokenizer" in err
