@@ -27,7 +27,8 @@ def test_overlapping_flags_have_mlx_lm_s_names_and_defaults():
     mine = {a.dest: a for a in parser._actions}
     shared = set(theirs) & set(mine) - {"help"}
     assert {"prompt", "max_tokens", "extra_eos_token", "system_prompt", "temp", "top_p", "top_k",
-            "min_p", "seed", "ignore_chat_template", "draft_model", "verbose"} <= shared
+            "min_p", "seed", "ignore_chat_template", "draft_model", "verbose", "max_kv_size",
+            "kv_bits", "kv_group_size", "quantized_kv_start", "prefill_step_size"} <= shared
     for dest in shared:
         assert set(theirs[dest].option_strings) <= set(mine[dest].option_strings), dest
         if dest not in DIFFERENT_DEFAULTS:
@@ -108,3 +109,22 @@ def test_extra_eos_token_ends_generation_at_it(folder, capsys):
     assert "Generation: 1 tokens," in out
     rc, _, err = _run(folder, capsys, "--extra-eos-token", "nonsense")
     assert rc == 2 and "error: --extra-eos-token 'nonsense' is not a token of this tokenizer" in err
+
+
+def test_cache_flags_reach_the_loop(folder, capsys, monkeypatch):
+    import mlx_spec
+
+    seen = {}
+    real = mlx_spec.stream_generate
+
+    def spy(*args, **kw):
+        seen.update(kw)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mlx_spec, "stream_generate", spy)
+    rc, _, err = _run(folder, capsys, "--prompt", "w3 w4", "-m", "3", "--max-kv-size", "16",
+                    "--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "900",
+                    "--prefill-step-size", "8")
+    assert rc == 0, err
+    assert (seen["max_kv_size"], seen["kv_bits"], seen["kv_group_size"], seen["quantized_kv_start"],
+            seen["prefill_step_size"]) == (16, 8, 32, 900, 8)
