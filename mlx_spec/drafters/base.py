@@ -20,10 +20,8 @@ from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
+from ..cache import MAX_DRAFT  # the verifier checks at most MAX_DRAFT drafted tokens per step
 from ..sampling import Sampling
-
-
-MAX_DRAFT_DEFAULT = 16  # the verifier checks at most 16 drafted tokens per step
 
 
 @dataclass(frozen=True)
@@ -44,7 +42,7 @@ EMPTY = Draft(mx.zeros((0,), mx.uint32))
 
 class Drafter(Protocol):
     taps: tuple  # tap ids this drafter reads (mlx_spec.taps); () for none
-    max_draft: int  # the most tokens one propose() can return (<= 16)
+    max_draft: int  # the most tokens one propose() can return (<= MAX_DRAFT)
 
     def bind(self, model, tokenizer) -> None:
         """Check compatibility with the target (raise ValueError) and reset state."""

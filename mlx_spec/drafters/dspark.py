@@ -48,7 +48,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..sampling import Sampling
-from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from .base import MAX_DRAFT, Draft, vocab_size
 from .dflash import (
     BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights, target_lm_head,
 )
@@ -183,13 +183,13 @@ class SparkChain:
 
 
 class DSparkDrafter(SparkChain):
-    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
+    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at MAX_DRAFT)."""
 
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
                  cut: str = "mask", sample_drafts: bool = True):
         self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
-        self.max_draft = min(cfg.block_size, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(cfg.block_size, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused

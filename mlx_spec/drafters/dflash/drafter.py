@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from ..base import MAX_DRAFT, Draft, vocab_size
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
@@ -90,7 +90,7 @@ class DFlashDrafter:
         if cfg.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 rows, got block_size {cfg.block_size}")
         self.cfg, self.taps = cfg, tuple(taps)
-        self.max_draft = min(cfg.block_size - 1, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(cfg.block_size - 1, MAX_DRAFT)
         self.output_multiplier, self.softcap = output_multiplier, softcap
         self.sample_drafts = sample_drafts
         self.context = BlockContext(net, cfg, self.taps)

@@ -15,7 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...taps import EMBED, decoder_stack
-from ..base import MAX_DRAFT_DEFAULT, vocab_size
+from ..base import MAX_DRAFT, vocab_size
 from ..dflash.drafter import target_lm_head
 from ..dspark import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
@@ -43,7 +43,7 @@ class V4DSparkDrafter(SparkChain):
         self.layer_ids = tuple(int(l) for l in layer_ids)
         self.taps = tap_ids(self.layer_ids, net.variant)
         self.block_size, self.noise_token_id = block_size, noise_token_id
-        self.max_draft = min(block_size, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(block_size, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = StageContext(net, window)

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import EMBED, FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
+from ..base import EMPTY, MAX_DRAFT, Draft, chain, vocab_size
 
 PREFILL_CHUNK = 512
 
@@ -55,7 +55,7 @@ def target_lm_head(model):
 class EagleDrafter:
     """Chain drafter around an `Eagle1Head` or `Eagle3Head` (see mlx_spec.drafters.eagle.heads)."""
 
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(self, head, taps: Sequence, config: dict, draft_to_target: mx.array | None = None):
         self.head = head

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
+from ..base import EMPTY, MAX_DRAFT, Draft, chain, vocab_size
 from .head import MTPConfig, MTPHead
 
 PREFILL_CHUNK = 512
@@ -28,7 +28,7 @@ PREFILL_CHUNK = 512
 class MTPDrafter:
     """Draft with an `MTPHead`; the head's weights are already loaded."""
 
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(self, head: MTPHead, config: MTPConfig):
         self.head, self.config = head, config
