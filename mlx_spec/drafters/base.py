@@ -20,8 +20,11 @@ from typing import Callable, Protocol, Sequence
 
 import mlx.core as mx
 
-from ..cache import MAX_DRAFT  # the verifier checks at most MAX_DRAFT drafted tokens per step
+from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
+from ..taps import decoder_stack
+
+PREFILL_CHUNK = 512  # prompt positions a drafter consumes per forward in prefill (bounds its peak memory)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,14 @@ def chain(
         if i < k - 1:
             logits = step(t.reshape(1).astype(mx.uint32))
     return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+
+
+def target_lm_head(model):
+    """The target's output projection: its own `lm_head`, or the tied embedding."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner["lm_head"]
+    return decoder_stack(model).embed_tokens.as_linear
 
 
 def vocab_size(model) -> int:

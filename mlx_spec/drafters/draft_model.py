@@ -16,9 +16,7 @@ import mlx.core as mx
 
 from ..cache import Checkpoint, make_cache
 from ..sampling import Sampling
-from .base import MAX_DRAFT, Draft, chain, vocab_size
-
-PREFILL_CHUNK = 512
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, chain, vocab_size
 
 
 class DraftModelDrafter:

@@ -48,9 +48,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..sampling import Sampling
-from .base import MAX_DRAFT, Draft, vocab_size
+from .base import MAX_DRAFT, Draft, target_lm_head, vocab_size
 from .dflash import (
-    BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights, target_lm_head,
+    BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights,
 )
 from .dflash.drafter import block_inputs, check_target
 from ..taps import decoder_stack

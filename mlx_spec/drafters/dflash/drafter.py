@@ -26,16 +26,8 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT, Draft, vocab_size
+from ..base import MAX_DRAFT, Draft, target_lm_head, vocab_size
 from .net import BlockConfig, BlockContext, DFlashNet
-
-
-def target_lm_head(model):
-    """The target's output projection (its own `lm_head`, or the tied embedding)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner["lm_head"]
-    return decoder_stack(model).embed_tokens.as_linear
 
 
 def check_target(model, cfg: BlockConfig, taps: tuple, what: str) -> None:

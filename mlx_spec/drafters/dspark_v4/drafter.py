@@ -15,8 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...taps import EMBED, decoder_stack
-from ..base import MAX_DRAFT, vocab_size
-from ..dflash.drafter import target_lm_head
+from ..base import MAX_DRAFT, target_lm_head, vocab_size
 from ..dspark import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
 

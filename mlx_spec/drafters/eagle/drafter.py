@@ -30,9 +30,7 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import EMBED, FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT, Draft, chain, vocab_size
-
-PREFILL_CHUNK = 512
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, target_lm_head, vocab_size
 
 
 def target_args(model) -> dict:
@@ -42,14 +40,6 @@ def target_args(model) -> dict:
     if isinstance(text, dict):
         return dict(text)
     return dict(vars(args)) if args is not None else {}
-
-
-def target_lm_head(model):
-    """The callable that turns the target's final-norm output into logits."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner["lm_head"]
-    return decoder_stack(model).embed_tokens.as_linear  # tied embeddings
 
 
 class EagleDrafter:

@@ -19,10 +19,8 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT, Draft, chain, vocab_size
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, target_lm_head, vocab_size
 from .head import MTPConfig, MTPHead
-
-PREFILL_CHUNK = 512
 
 
 class MTPDrafter:
@@ -54,7 +52,7 @@ class MTPDrafter:
                 f"target hidden {h_t}, vocab {v_t}. Use the MTP weights of this very model."
             )
         self._embed = stack.embed_tokens
-        self._lm_head = _lm_head(model, stack)
+        self._lm_head = target_lm_head(model)
         n_layers = len(stack.layers)
         self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (n_layers - 1,)
         self._bound = True
@@ -106,11 +104,3 @@ class MTPDrafter:
         else:  # y was fed by propose
             self._tokens = tokens[1:]
         self._hidden.append(rows)
-
-
-def _lm_head(model, stack):
-    """The target's output projection (its `lm_head`, or the tied embedding)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner.lm_head
-    return stack.embed_tokens.as_linear
