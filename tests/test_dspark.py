@@ -136,6 +136,14 @@ def test_deepseek_v4_in_checkpoint_dspark_needs_a_deepseek_v41_target(tmp_path):
         load_drafter(tmp_path, echo_target()[0], kind="dspark")
 
 
+def test_bind_refuses_a_target_with_another_vocabulary(tmp_path):
+    d = load_drafter(make_head(tmp_path, rank=16, trained=False)[0], echo_target()[0])
+    other, _ = S.qwen3_target(seed=0, vocab=S.V + 4)
+    with pytest.raises(ValueError, match=f"this DSpark head cannot draft for this target: drafts over {S.V} "
+                       f"tokens, but the target's vocabulary has {S.V + 4}. Convert the head again"):
+        d.bind(other, None)
+
+
 # ---- the drafter against NumPy -------------------------------------------------------------
 
 

@@ -16,13 +16,13 @@ drafters ask for nothing and get None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
 from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
-from ..taps import decoder_stack
+from ..taps import EMBED, FINAL_NORM, decoder_stack
 
 PREFILL_CHUNK = 512  # prompt positions a drafter consumes per forward in prefill (bounds its peak memory)
 
@@ -105,3 +105,67 @@ def vocab_size(model) -> int:
     if size is None:
         size = model.model.embed_tokens.weight.shape[0]
     return int(size)
+
+
+def target_args(model) -> dict:
+    """The target's config fields (the text config of a multimodal wrapper)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if isinstance(text, dict):
+        return dict(text)
+    return dict(vars(args)) if args is not None else {}
+
+
+# The two remedies a target mismatch can have.
+RECONVERT = "Convert the head again with --target pointing at this model."
+SAME_WEIGHTS = "Use the weights of this very model: load the target from the folder that holds them."
+
+
+def check_target(
+    model,
+    what: str,
+    fix: str = RECONVERT,
+    *,
+    made_for: Mapping | None = None,
+    hidden_size: int | None = None,
+    vocab: int | None = None,
+    layers: Sequence = (),
+    token_ids: Mapping[str, int] | None = None,
+) -> None:
+    """Refuse a target the drafter does not fit: one ValueError naming every mismatch, and `fix`.
+
+    `what` names the drafter ("this DFlash head"). Each check runs only when given:
+    `made_for` the target config fields the head was converted for (a converted folder's
+    `mlx_spec.target`), compared where the target has the field (`model_type` never is:
+    checkpoints and mlx-lm may name one architecture differently); `hidden_size` the width
+    the drafter reads, against the target's embedding width; `vocab` the vocabulary it
+    drafts over, against the target's; `layers` the tap ids it reads (decoder layers
+    0..n-1, `EMBED`, `FINAL_NORM`); `token_ids` ({name: id}) tokens it feeds or emits,
+    each inside the target's vocabulary.
+    """
+    problems = []
+    if made_for:
+        have = target_args(model)
+        differ = [f"{key}: head made for {want}, target has {have[key]}"
+                  for key, want in made_for.items()
+                  if key != "model_type" and want is not None and have.get(key) is not None
+                  and have[key] != want]
+        if differ:
+            problems.append(f"converted for another target ({'; '.join(differ)})")
+    if layers:
+        n = len(decoder_stack(model).layers)
+        bad = [t for t in layers if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n)]
+        if bad:
+            problems.append(f"reads target layers {bad}, but the target has {n} decoder layers (0..{n - 1})")
+    if hidden_size is not None:
+        width = decoder_stack(model).embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
+        if width != hidden_size:
+            problems.append(f"{hidden_size} wide, but the target's embeddings are {width} wide")
+    if vocab is not None or token_ids:
+        V = vocab_size(model)
+        if vocab is not None and vocab != V:
+            problems.append(f"drafts over {vocab} tokens, but the target's vocabulary has {V}")
+        problems += [f"{name} {tid} is outside the target's vocabulary (0..{V - 1})"
+                     for name, tid in (token_ids or {}).items() if not 0 <= tid < V]
+    if problems:
+        raise ValueError(f"{what} cannot draft for this target: {'; '.join(problems)}. {fix}")

@@ -48,11 +48,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..sampling import Sampling
-from .base import MAX_DRAFT, Draft, target_lm_head, vocab_size
+from .base import MAX_DRAFT, Draft, target_lm_head
 from .dflash import (
     BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights,
 )
-from .dflash.drafter import block_inputs, check_target
+from .dflash.drafter import block_inputs, check_block_target
 from ..taps import decoder_stack
 
 CUTS = ("mask", "sync")
@@ -196,13 +196,7 @@ class DSparkDrafter(SparkChain):
         self._embed = self._head = None
 
     def bind(self, model, tokenizer) -> None:
-        check_target(model, self.cfg, self.taps, "this DSpark head")
-        V = vocab_size(model)
-        if self.spark.vocab_size != V:
-            raise ValueError(
-                f"this DSpark head drafts over {self.spark.vocab_size} tokens, the target "
-                f"has {V}; reduced draft vocabularies are not supported"
-            )
+        check_block_target(model, self.cfg, self.taps, "this DSpark head", vocab=self.spark.vocab_size)
         h = self.heads
         self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
         self._head = h.lm_head if "lm_head" in h else target_lm_head(model)

@@ -26,31 +26,15 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT, Draft, target_lm_head, vocab_size
+from ..base import MAX_DRAFT, Draft, check_target, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
-def check_target(model, cfg: BlockConfig, taps: tuple, what: str) -> None:
-    """Refuse a target whose width, depth or vocabulary does not fit the head."""
-    stack = decoder_stack(model)
-    n_layers, V = len(stack.layers), vocab_size(model)
-    bad = [t for t in taps if isinstance(t, int) and not 0 <= t < n_layers]
-    if bad:
-        raise ValueError(
-            f"{what} taps target layers {bad}, but this target has {n_layers} decoder "
-            "layers; convert the head with --target pointing at this model"
-        )
-    if not 0 <= cfg.mask_token_id < V:
-        raise ValueError(
-            f"{what} mask token id {cfg.mask_token_id} is outside the target's "
-            f"vocabulary (0..{V - 1}); is this the head for another model family?"
-        )
-    width = stack.embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
-    if width != cfg.hidden_size:
-        raise ValueError(
-            f"{what} has width {cfg.hidden_size}, the target's embeddings {width}: "
-            "DFlash heads embed the block with the target's own embeddings"
-        )
+def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: int | None = None) -> None:
+    """Refuse a target the block head does not fit: it embeds `[y, mask ...]` with the
+    target's own embeddings (so the widths must agree) and reads its layer taps."""
+    check_target(model, what, hidden_size=cfg.hidden_size, vocab=vocab, layers=taps,
+                 token_ids={"mask_token_id": cfg.mask_token_id})
 
 
 def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
@@ -89,7 +73,7 @@ class DFlashDrafter:
         self._embed = self._head = None
 
     def bind(self, model, tokenizer) -> None:
-        check_target(model, self.cfg, self.taps, "this DFlash head")
+        check_block_target(model, self.cfg, self.taps, "this DFlash head")
         self._embed = decoder_stack(model).embed_tokens  # raw rows: no target embedding norm/scale
         self._head = target_lm_head(model)
         self.context.reset()

@@ -19,8 +19,11 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, target_lm_head, vocab_size
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
+
+SAME_MTP = ("Use the MTP weights of this very model: its own checkpoint folder, or a head "
+            "converted with --target pointing at it.")
 
 
 class MTPDrafter:
@@ -41,16 +44,9 @@ class MTPDrafter:
         self._drafted = 0  # positions the last proposal appended past the committed ones
 
     def bind(self, model, tokenizer) -> None:
+        check_target(model, "this MTP head", SAME_MTP, hidden_size=self.head.enorm.weight.shape[0],
+                     vocab=self.head.head.weight.shape[0] if "head" in self.head else None)
         stack = decoder_stack(model)
-        h_t = getattr(model, "language_model", model).args.hidden_size
-        h_d = self.head.enorm.weight.shape[0]
-        v_t = vocab_size(model)
-        v_d = (self.head.head.weight.shape[0] if "head" in self.head else v_t)
-        if h_t != h_d or v_t != v_d:
-            raise ValueError(
-                f"MTP head does not fit this target: head hidden {h_d}, vocab {v_d}; "
-                f"target hidden {h_t}, vocab {v_t}. Use the MTP weights of this very model."
-            )
         self._embed = stack.embed_tokens
         self._lm_head = target_lm_head(model)
         n_layers = len(stack.layers)
