@@ -16,7 +16,7 @@ from converters import head as head_cli
 from converters.common import ConversionError
 from mlx_spec.acceptance import accept as masked_accept
 from mlx_spec.drafters.base import Draft
-from mlx_spec.drafters.dspark import confidence_length
+from mlx_spec.drafters.spark_chain import confidence_length
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
 from runs import mlx_lm_greedy as greedy, replay_greedy_blocks, spec_run, target_arrays

@@ -68,6 +68,15 @@ def pick(logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | Non
     return mx.random.categorical(mx.log(q)), q
 
 
+def pick_block(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:
+    """Tokens from independent per-position logits [k, V]: argmax, or drawn from q when
+    `sample_drafts` (block drafters: DFlash, DSpark without a Markov head)."""
+    if sampling.greedy or not sample_drafts:
+        return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32), None)
+    q = sampling.probs(logits)  # [k, V]
+    return Draft(mx.random.categorical(mx.log(q)).astype(mx.uint32), q)
+
+
 def chain(
     logits: mx.array,
     k: int,

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..layers import quantize_like
-from .drafter import DFlashDrafter, pick
+from .drafter import DFlashDrafter
 from .net import BlockConfig, BlockContext, ContextCache, DFlashNet
 
 
@@ -52,5 +52,5 @@ def load(folder, config: dict, model, *, sample_drafts: bool = False) -> DFlashD
 
 __all__ = [
     "BlockConfig", "BlockContext", "ContextCache", "DFlashDrafter", "DFlashNet",
-    "assign", "load", "pick", "read_weights",
+    "assign", "load", "read_weights",
 ]

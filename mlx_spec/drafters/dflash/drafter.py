@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT, Draft, check_target, target_lm_head
+from ..base import MAX_DRAFT, Draft, check_target, pick_block, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
@@ -40,14 +40,6 @@ def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: i
 def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
     """[y, mask x (B-1)] as ids [B]."""
     return mx.array([y] + [cfg.mask_token_id] * (cfg.block_size - 1), dtype=mx.uint32)
-
-
-def pick(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:
-    """Tokens from independent per-position logits [k, V]: argmax, or drawn from q."""
-    if sampling.greedy or not sample_drafts:
-        return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32), None)
-    q = sampling.probs(logits)  # [k, V]
-    return Draft(mx.random.categorical(mx.log(q)).astype(mx.uint32), q)
 
 
 class DFlashDrafter:
@@ -104,7 +96,7 @@ class DFlashDrafter:
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
         h = self.hidden(y)  # [B, H]
-        return pick(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
+        return pick_block(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         self.context.add(taps, len(tokens))

@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from ...taps import EMBED, decoder_stack
 from ..base import MAX_DRAFT, SAME_WEIGHTS, check_target, target_lm_head
-from ..dspark import SparkChain, SparkConfig
+from ..spark_chain import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
 
 

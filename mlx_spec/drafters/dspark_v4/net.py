@@ -34,7 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import deepseek_v41 as dsv4
 
-from ..dspark import ConfidenceHead, MarkovHead
+from ..spark_chain import ConfidenceHead, MarkovHead
 from . import flash
 
 VARIANTS = ("0731", "v41")
