@@ -44,17 +44,57 @@ EMPTY = Draft(mx.zeros((0,), mx.uint32))
 
 
 class Drafter(Protocol):
+    """What the decode loop calls, in this order, once per generation:
+
+        bind(model, tokenizer)        # then the loop reads .taps and .max_draft
+        prefill(prompt, taps)
+        repeat: propose(y, k, sampling) (skipped when k == 0), verify, commit(kept, taps)
+
+    Contracts the loop relies on (breaking the first one breaks losslessness):
+
+    * **A cut never looks at the token it gates.** With `Draft.length = L`, the event
+      "d_j is verified" (j < L) may depend on y, d_0 .. d_(j-1) and the drafter's state,
+      never on d_j itself or on later tokens. Then, given that it is verified, d_j is
+      still distributed as q_j and rejection sampling stays exact. A cut that reads d_j
+      (say, its own probability q_j(d_j)) keeps unlikely draws out of verification and
+      skews the output. DSpark's c_j reads h_j and d_(j-1) only (`spark_chain`).
+    * **q is what the tokens were drawn from.** `q[j]` is the distribution d_j was drawn
+      from, given d_<j and the state, over the target's vocabulary (zero outside the
+      drafter's own); q = None means the tokens are checked as point masses, which is
+      lossless whatever they are.
+    * **`taps` is read after `bind`.** A drafter may choose its taps in `bind` (MTP
+      picks the final norm or the last layer of this target), so the loop installs
+      the recorders only afterwards; `max_draft` too is read after `bind`.
+    * **`bind` is cheap and resets everything.** It runs at the start of every
+      generation, also on a drafter that served one before: it checks the target
+      (`check_target`, raising ValueError) and drops all per-generation state (caches,
+      queued features, counters), so no earlier generation leaks into this one. Work
+      that depends only on the target (an n-gram corpus index, a vocabulary
+      comparison) is done once and kept.
+    * **`propose` stays lazy.** It returns lazy arrays and does no host sync, so the
+      draft joins the verify forward in the step's single evaluation. A drafter that
+      must read a device value on the host documents it (DSpark's `cut="sync"`).
+      It may return fewer than k tokens; k is 1 .. min(max_draft, MAX_DRAFT).
+    * **`commit` gets exactly what the target kept.** `tokens` = `[y, d_0 .. d_(n-1)]`,
+      the inputs of this step the target consumed and kept (n accepted drafts, n <= L);
+      the target's own next token is not among them, it is the next `propose`'s y.
+      `taps` holds the target's hidden states at exactly those n + 1 positions (None
+      when `.taps` is empty). It also follows steps where nothing was proposed
+      (n = 0, `[y]` only), and rejected drafts are never reported: the drafter trims
+      whatever its proposal left behind.
+    """
+
     taps: tuple  # tap ids this drafter reads (mlx_spec.taps); () for none
     max_draft: int  # the most tokens one propose() can return (<= MAX_DRAFT)
 
     def bind(self, model, tokenizer) -> None:
-        """Check compatibility with the target (raise ValueError) and reset state."""
+        """Check compatibility with the target (raise ValueError) and reset all state."""
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        """The target consumed the prompt `tokens`."""
+        """The target consumed the prompt `tokens` (with a reused prompt cache: the new part)."""
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        """Up to k tokens to follow the committed context and `y` (not yet consumed)."""
+        """Up to k tokens to follow the committed context and `y` (not yet consumed); lazy."""
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         """The target consumed and kept `tokens` (`[y, accepted drafts...]`)."""
