@@ -5,15 +5,18 @@ One step, for anchor y at position p (the committed length) and a block of B row
     h   = block forward of [y, mask x (B-1)]   # DFlash's network, called (composition)
     U   = lm_head(h)                            # [B, V]; row j predicts d_j (position p+j+1)
     s_j = U_j + W2 W1[x_{j-1}]                  # Markov bias, x_{-1} = y, x_j = d_j
-    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling, default)
+    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling, default: see below)
     c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)  # P(d_j survives | d_<j survived)
     L   = #{leading j : a_j = c_0 c_1 ... c_j >= threshold}
 
 Anchor-as-first-prediction: unlike DFlash, every block row drafts, so B rows give
 B tokens. q_j is conditioned on d_<j (left to right), which rejection sampling
-allows. The cut is non-anticipating: c_j depends on h_j and d_(j-1), never on
-d_j, so whether d_j is verified does not depend on its own value, and
-conditioned on being verified d_j is still distributed as q_j: lossless.
+allows. Drawing (`sample_drafts=True`, the default for every block drafter) accepts
+with probability 1 - TV(p_j, q_j) per position against p_j(argmax q_j) for argmax
+drafts (see `dflash.drafter`), and the Markov term keeps a drawn block on the
+branch its earlier tokens took. The cut is non-anticipating: c_j depends on h_j
+and d_(j-1), never on d_j, so whether d_j is verified does not depend on its own
+value, and conditioned on being verified d_j is still distributed as q_j: lossless.
 
 The cut without a host sync (`cut="mask"`, the default when a threshold is set):
 propose returns all k tokens plus a lazy `length` L, and the verifier must mask

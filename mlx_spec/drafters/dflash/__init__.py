@@ -37,7 +37,7 @@ def assign(module: nn.Module, weights: dict, config: dict, what: str) -> None:
         ) from None
 
 
-def load(folder, config: dict, model, *, sample_drafts: bool = False) -> DFlashDrafter:
+def load(folder, config: dict, model, *, sample_drafts: bool = True) -> DFlashDrafter:
     """The DFlash drafter stored in a converted head folder (LOADERS["dflash"])."""
     cfg = BlockConfig.from_dict(config)
     net = DFlashNet(cfg)

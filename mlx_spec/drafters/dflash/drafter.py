@@ -7,11 +7,16 @@ j >= 1 predicts the token at position p + j, i.e. d[j-1]. Logits come from the
 target's LM head (times `output_multiplier`, then `softcap * tanh(l / softcap)`
 when the head config sets them, as Muse Glimmer does).
 
-Greedy: argmax tokens, q = None. Sampling: by default the same argmax tokens,
-checked by point-mass rejection sampling (q = None); with `sample_drafts=True`
-each d[j] is drawn from q_j = `sampling.probs(logits_j)`. Both are lossless: the
-block never looks at the drafted tokens, so q_j is the proposal's true
-distribution at every position whatever was drafted before it.
+Greedy: argmax tokens, q = None. Sampling: by default (`sample_drafts=True`)
+each d[j] is drawn from q_j = `sampling.probs(logits_j)`; with
+`sample_drafts=False` the argmax tokens are checked as point masses (q = None).
+Both are lossless: the block never looks at the drafted tokens, so q_j is the
+proposal's true distribution at every position whatever was drafted before it.
+Drawn drafts are the default, as for DSpark, because they accept more: a draw
+from q_j is accepted with probability sum_x min(p_j, q_j) = 1 - TV(p_j, q_j), an
+argmax with p_j(argmax q_j), which is lower wherever the target is unsure. Argmax
+wins only when nearly every position is near-deterministic, where the block stays
+on one branch (`scripts/block_draft_modes.py` measures both on exact marginals).
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
@@ -53,7 +58,7 @@ class DFlashDrafter:
         *,
         output_multiplier: float = 1.0,
         softcap: float | None = None,
-        sample_drafts: bool = False,
+        sample_drafts: bool = True,
     ):
         if cfg.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 rows, got block_size {cfg.block_size}")
