@@ -1,4 +1,6 @@
-"""MTP heads on tiny synthetic checkpoints in each real layout (formats.md §3).
+"""MTP heads on tiny synthetic checkpoints in each real layout.
+
+Layouts: DeepSeek-V3, GLM-4.5/4.6, Qwen3.5, MiMo, Qwen3-Next.
 
 Each checkpoint is written the way Hugging Face ships it and loaded with
 `mlx_lm.load`; the MTP module comes from the same safetensors through our

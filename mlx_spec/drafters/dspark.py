@@ -133,7 +133,7 @@ def probe_target(folder, config: dict, model, **options):
 
     None when the folder's config has no `dspark_*` fields. Otherwise the
     drafter over the checkpoint's own stages (`mlx_spec.drafters.dspark_v4`,
-    formats.md §4.3), for a target loaded by mlx-lm's `deepseek_v41` model;
+    docs/dflash.md), for a target loaded by mlx-lm's `deepseek_v41` model;
     clear errors for missing fields or tensors. `options` as for `load`.
     """
     text = config.get("text_config", config)
