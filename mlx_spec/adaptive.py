@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .identity import IdentityMap
+from .cache import MAX_DRAFT
 
 log = logging.getLogger("mlx_spec")
 
-N_MAX = 17  # verify rows: y plus at most 16 drafted tokens
+N_MAX = MAX_DRAFT + 1  # verify rows: y plus at most MAX_DRAFT drafted tokens
 PRIOR, PRIOR_WEIGHT = 0.6, 2  # acceptance assumed before observing, worth 2 observations
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX

@@ -43,7 +43,7 @@ try:  # mlx-lm >= 0.32 (DeepSeek-V4.1); older versions simply lack the class
 except ImportError:  # pragma: no cover
     LayerCache = None
 
-MAX_DRAFT = 16
+MAX_DRAFT = 16  # the most drafted tokens one step verifies; the one definition of the limit
 # A step can reject at most MAX_DRAFT of the MAX_DRAFT + 1 positions it appends.
 SPARE = MAX_DRAFT + 1
 

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from .load_errors import explained
+from .drafters.base import check_target
 
 # kind -> "module:function(folder, config, model, **options) -> Drafter"
 LOADERS: dict[str, str] = {
@@ -51,24 +52,6 @@ def read_head_config(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def check_target(head: dict, model, where: str) -> None:
-    """Refuse a head converted for a different target, naming what differs."""
-    want = head.get("mlx_spec", {}).get("target", {})
-    args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    have = dict(text) if isinstance(text, dict) else vars(args) if args is not None else {}
-    diffs = [
-        f"{k}: head made for {v}, target has {have[k]}"
-        for k, v in want.items()
-        if v is not None and k in have and have[k] != v and k != "model_type"
-    ]
-    if diffs:
-        raise ValueError(
-            f"{where} was converted for another target ({'; '.join(diffs)}). "
-            "Convert the head again with --target pointing at this model."
-        )
-
-
 def load_drafter(path: str | Path, model, kind: str | None = None, **options):
     """The drafter a folder describes, for `model` (the target).
 
@@ -92,7 +75,7 @@ def load_drafter(path: str | Path, model, kind: str | None = None, **options):
                 )
             if kind is not None and found != kind:
                 raise ValueError(f"{folder} holds a {found} head, not {kind}")
-            check_target(config, model, str(folder))
+            check_target(model, str(folder), made_for=block.get("target", {}))  # converted for this model?
             return _call(LOADERS[found], folder, config, model, **options)
         for name, probe in TARGET_PROBES.items():
             if kind in (None, name):

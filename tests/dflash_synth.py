@@ -3,7 +3,8 @@
 * `qwen3_target` / `muse_target`: tiny random mlx-lm targets (classes `qwen3`,
   `muse_glimmer`); `write_target` saves one as a folder (config.json + safetensors).
 * `zlab_checkpoint`, `muse_checkpoint`, `dspark_checkpoint`: write checkpoints in
-  the real layouts (formats.md §4.2, §5.2, §5.6) with random weights.
+  the real layouts (z-lab `dflash/model.py`, Meta's Muse-Glimmer-30B-assistant, DeepSpec
+  `Qwen3DSparkModel`) with random weights.
 * `Reference`: an independent float64 NumPy implementation of the block forward,
   DFlash logits and DSpark's Markov chain / confidences, recomputed from scratch
   from ALL committed taps (no cache), so it also checks the drafter's incremental

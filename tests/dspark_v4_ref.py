@@ -1,8 +1,10 @@
 """Test helpers for DeepSeek-V4 DSpark: synthetic `mtp.*` stages and a float64 NumPy reference.
 
 * `stage_tensors(rng, cfg, variant, ...)`: the stages in DeepSeek checkpoint naming
-  (formats.md §4.3 shapes), V4-Flash-0731 ("0731") or V4.1 ("v41") names.
-* `Reference`: the stage forward written from formats.md §4.1/§4.3 and the V4
+  (shapes from DeepSeek's V4 reference code and mlx-lm's `deepseek_v41.py`),
+  V4-Flash-0731 ("0731") or V4.1 ("v41") names.
+* `Reference`: the stage forward written from the DSpark paper (DeepSpec's
+  `DSpark_paper.pdf`, section 3), DeepSeek's V4 reference `DSparkBlock` and the V4
   block (mHC + attention with sinks + MoE) in NumPy, from the native tensors,
   recomputed from scratch from all committed taps (no cache, no MLX).
 
@@ -245,7 +247,8 @@ def packed(w: dict, seed: int = 0, tile: int = 32) -> tuple[dict, dict]:
     """(stored, dequantized): FP8 e4m3 bytes + `tile`x`tile` ue8m0 scales for the dense stage
     weights (0731: 128, V4.1: 32; the last tile row/column may be partial), FP4 (e2m1, two
     per byte) + 1x32 ue8m0 scales for the routed experts, as in the V4 checkpoints
-    (formats.md §4.3); `dequantized` holds the float values they encode."""
+    (DeepSeek's V4 reference code, vLLM's V4 DSpark loader); `dequantized` holds the float
+    values they encode."""
     import mlx.core as mx
 
     rng, stored, plain = np.random.default_rng(seed), {}, dict(w)

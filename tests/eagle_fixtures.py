@@ -3,9 +3,11 @@
 * `write_torch_bin` writes the zip layout torch.save uses (protocol-2 pickle
   opcodes written by hand, since torch is not installed);
 * `eagle1_checkpoint` / `eagle3_checkpoint` write synthetic heads with the
-  exact key names and shapes of formats.md §1.2 / §2.1 / §2.6;
+  exact key names and shapes of the yuhuili EAGLE-1/EAGLE-3 checkpoints and the
+  vllm-project/speculators EAGLE-3 format;
 * `ref_eagle1` / `ref_eagle3` recompute a head's hidden states from scratch
-  in float64 NumPy (no cache), straight from the formats.md equations.
+  in float64 NumPy (no cache), straight from the EAGLE reference forward
+  (SafeAILab/EAGLE `eagle/model/cnets1.py`, `cnets.py`).
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def _write(folder: Path, cfg: dict, w: dict, config, drop, tweak, fmt: str, pref
 def eagle1_checkpoint(folder: Path, H: int, V: int, *, heads=4, kv_heads=2, inter=None, layers=1,
                       fc_bias=True, qkv_bias=False, fmt="bin", prefix="", seed=0, config=None,
                       drop=(), tweak=None) -> tuple[dict, dict]:
-    """An EAGLE-1 head (formats.md §1.2); returns (config, {original key: np array}).
+    """An EAGLE-1 head (yuhuili layout); returns (config, {original key: np array}).
 
     `tweak(weights)` edits the weights in place before they are written.
     """
@@ -212,7 +214,7 @@ def eagle3_checkpoint(folder: Path, H: int, V: int, *, V_d=None, layout="yuhuili
                       inter=None, layers=1, H_t=None, n_taps=3, fmt="safetensors", seed=0, config=None,
                       norm_before_fc=False, fc_norm=False, qk_norm=False, embed=None, drop=(),
                       tweak=None) -> tuple[dict, dict]:
-    """An EAGLE-3 head (formats.md §2.1 yuhuili, §2.6 speculators); returns (config, weights)."""
+    """An EAGLE-3 head (yuhuili or speculators layout); returns (config, weights)."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     I, d, H_t, V_d = inter or 2 * H, H // heads, H_t or H, V_d or V
@@ -315,7 +317,7 @@ def _run_chain(step, emb, feats, chain_tokens, E):
 
 
 def ref_eagle1(w, cfg, E, tokens_next, feats, chain_tokens=()):
-    """Hidden states g of an EAGLE-1 head (formats.md §1.3) for every row; logits = g @ LM.T."""
+    """Hidden states g of an EAGLE-1 head (EAGLE `cnets1.py`) for every row; logits = g @ LM.T."""
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     nh, nkv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
 
@@ -331,7 +333,7 @@ def ref_eagle1(w, cfg, E, tokens_next, feats, chain_tokens=()):
 
 
 def ref_eagle3(w, cfg, E, tokens_next, taps_concat, chain_tokens=(), layers=1, norm_before_residual=False):
-    """norm(o) of an EAGLE-3 head (formats.md §2.4) for every row; logits = that @ lm_head.T."""
+    """norm(o) of an EAGLE-3 head (EAGLE `cnets.py`) for every row; logits = that @ lm_head.T."""
     w = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): np.asarray(v, np.float64)
          for k, v in w.items() if k not in ("d2t", "t2d")}
     lc = cfg.get("transformer_layer_config", cfg)

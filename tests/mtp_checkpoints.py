@@ -2,9 +2,10 @@
 
 `write(folder, family)` builds a random tiny mlx-lm model of the family, turns
 its weights back into Hugging Face naming (the inverse of mlx-lm's sanitize:
-offset norms, conv1d axes, MLA `kv_b_proj`), adds the MTP tensors exactly as
-formats.md §3 lists them, and writes config.json + model.safetensors + a
-tokenizer, so `mlx_lm.load(folder)` works as on a downloaded checkpoint.
+offset norms, conv1d axes, MLA `kv_b_proj`), adds the MTP tensors under the
+names the real checkpoints use (as vLLM's `*_mtp.py` loaders read them), and
+writes config.json + model.safetensors + a tokenizer, so `mlx_lm.load(folder)`
+works as on a downloaded checkpoint.
 
 The weights are shaped so the head agrees with the target often (but not
 always): residual branches are small, so the target is close to a bigram

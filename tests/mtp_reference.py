@@ -1,6 +1,6 @@
 """An independent NumPy (float64) MTP forward, read straight from the HF tensors.
 
-Written from formats.md §3 and the families' published forward passes, sharing
+Written from the families' published forward passes (vLLM's `*_mtp.py`), sharing
 no code with mlx_spec: zero-centred norms are applied as `x * (1 + w)` on the
 raw offsets, DeepSeek's MLA uses the unsplit `kv_b_proj`, experts run one by
 one. `Reference(folder).proposals(hidden, seq, k)` is the greedy chain.

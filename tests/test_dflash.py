@@ -318,3 +318,14 @@ def test_a_head_for_another_target_or_a_damaged_folder_is_refused(tmp_path):
     mx.save_safetensors(str(out / "model.safetensors"), weights)
     with pytest.raises(ValueError, match="convert the head again"):
         load_drafter(out, target("qwen3")[0])
+
+
+def test_bind_names_every_way_another_target_does_not_fit(tmp_path):
+    out, _, _ = make_head(tmp_path, "qwen3")  # taps [0, 2] of a 4-layer, 64-wide target
+    d = load_drafter(out, target("qwen3")[0])
+    narrow, _ = S.qwen3_target(seed=0, layers=2, hidden=32, vocab=90)
+    with pytest.raises(ValueError, match=r"this DFlash head cannot draft for this target: reads target "
+                       r"layers \[2\].*; 64 wide, but the target's embeddings are 32 wide; "
+                       r"mask_token_id 95 is outside the target's vocabulary \(0..89\)\. "
+                       r"Convert the head again with --target"):
+        d.bind(narrow, None)

@@ -16,7 +16,7 @@ from converters import head as head_cli
 from converters.common import ConversionError
 from mlx_spec.acceptance import accept as masked_accept
 from mlx_spec.drafters.base import Draft
-from mlx_spec.drafters.dspark import confidence_length
+from mlx_spec.drafters.spark_chain import confidence_length
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
 from runs import mlx_lm_greedy as greedy, replay_greedy_blocks, spec_run, target_arrays
@@ -134,6 +134,14 @@ def test_deepseek_v4_in_checkpoint_dspark_needs_a_deepseek_v41_target(tmp_path):
          "dspark_noise_token_id": 128799}))
     with pytest.raises(ValueError, match="DeepSeek-V4 DSpark stages.*deepseek_v41"):
         load_drafter(tmp_path, echo_target()[0], kind="dspark")
+
+
+def test_bind_refuses_a_target_with_another_vocabulary(tmp_path):
+    d = load_drafter(make_head(tmp_path, rank=16, trained=False)[0], echo_target()[0])
+    other, _ = S.qwen3_target(seed=0, vocab=S.V + 4)
+    with pytest.raises(ValueError, match=f"this DSpark head cannot draft for this target: drafts over {S.V} "
+                       f"tokens, but the target's vocabulary has {S.V + 4}. Convert the head again"):
+        d.bind(other, None)
 
 
 # ---- the drafter against NumPy -------------------------------------------------------------

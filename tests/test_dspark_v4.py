@@ -335,6 +335,16 @@ def test_other_targets_are_refused(tmp_path, tmp_path_factory):
         load_drafter(tmp_path, tiny.llama_model(), kind="dspark")
 
 
+def test_bind_refuses_a_shallower_narrower_target(tmp_path, tmp_path_factory):
+    folder, model, _ = folder_with(tmp_path, tmp_path_factory)
+    d = load_drafter(folder, model, kind="dspark")
+    small = tiny.deepseek_v41_model(num_hidden_layers=2, hidden_size=32, compress_ratios=[0, 4])
+    with pytest.raises(ValueError, match=r"these DeepSeek-V4 DSpark stages cannot draft for this target: "
+                       r"reads target layers \[2, 3\], but the target has 2 decoder layers \(0..1\); 64 "
+                       r"wide, but the target's embeddings are 32 wide\. Use the weights of this very model"):
+        d.bind(small, None)
+
+
 # ---- sampled output through the whole loop -------------------------------------------------
 
 

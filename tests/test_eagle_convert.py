@@ -38,7 +38,8 @@ def _saved(out):
     return json.loads((out / "config.json").read_text()), mx.load(str(out / "model.safetensors"))
 
 
-# ---------------------------------------------------------------- layer-id conventions (formats.md §0.2)
+# ---------------------------------------------------------------- layer-id conventions
+# EAGLE's `modeling_llama_kv.py` counts the input of layer k; z-lab DFlash the output.
 
 
 def test_layer_id_translations_are_pinned():

@@ -159,3 +159,16 @@ def test_greedy_output_is_the_targets(tmp_path, arch, kind):
     got = [r.token for r in mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter,
                                                       max_tokens=24, num_draft_tokens=3)]
     assert got == want
+
+
+def test_bind_refuses_another_target_naming_each_mismatch(tmp_path):
+    _, _, drafter = _convert(tmp_path, tiny.llama_model(layers=6), "eagle3", V_d=50)
+    deep = [t for t in drafter.taps if isinstance(t, int) and t >= 2]
+    assert deep  # the default EAGLE-3 taps of a 6-layer target reach past layer 1
+    with pytest.raises(ValueError) as err:
+        drafter.bind(tiny.llama_model(layers=2), None)
+    msg = str(err.value)
+    assert msg.startswith("this EAGLE head cannot draft for this target: converted for another target "
+                          "(num_hidden_layers: head made for 6, target has 2); ")
+    assert f"reads target layers {deep}, but the target has 2 decoder layers (0..1)" in msg
+    assert msg.endswith("Convert the head again with --target pointing at this model.")

@@ -1,4 +1,6 @@
-"""MTP heads on tiny synthetic checkpoints in each real layout (formats.md §3).
+"""MTP heads on tiny synthetic checkpoints in each real layout.
+
+Layouts: DeepSeek-V3, GLM-4.5/4.6, Qwen3.5, MiMo, Qwen3-Next.
 
 Each checkpoint is written the way Hugging Face ships it and loaded with
 `mlx_lm.load`; the MTP module comes from the same safetensors through our
@@ -260,3 +262,11 @@ def test_mtp_weights_of_another_model_are_refused(root):
     other = tiny.qwen3_5_model(layers=2)
     with pytest.raises(ValueError, match="not the loaded target's checkpoint.*num_hidden_layers"):
         mlx_spec.load_drafter(folder, other, kind="mtp")
+
+
+def test_bind_refuses_a_target_of_another_width(root):
+    _, model, tok = checkpoint(root, "qwen3_5")
+    drafter = mlx_spec.load_drafter(checkpoint(root, "qwen3_5")[0], model, kind="mtp")
+    with pytest.raises(ValueError, match=r"this MTP head cannot draft for this target: 64 wide, but the "
+                       r"target's embeddings are 32 wide\. Use the MTP weights of this very model"):
+        drafter.bind(tiny.llama_model(hidden=32), tok)

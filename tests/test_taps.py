@@ -19,7 +19,7 @@ from mlx_lm.models.base import create_causal_mask
 import tiny
 from mlx_spec import NGramDrafter, Sampling, make_cache, stream_generate
 from mlx_spec.drafters.base import EMPTY
-from mlx_spec.drafters.eagle.drafter import target_lm_head
+from mlx_spec.drafters.base import target_lm_head
 from mlx_spec.request import Request
 from mlx_spec.verify import Verifier
 from mlx_spec.taps import EMBED, FINAL_NORM, Taps, _Recorder, decoder_stack

@@ -16,14 +16,15 @@ drafters ask for nothing and get None.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
+from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
+from ..taps import EMBED, FINAL_NORM, decoder_stack
 
-
-MAX_DRAFT_DEFAULT = 16  # the verifier checks at most 16 drafted tokens per step
+PREFILL_CHUNK = 512  # prompt positions a drafter consumes per forward in prefill (bounds its peak memory)
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,57 @@ EMPTY = Draft(mx.zeros((0,), mx.uint32))
 
 
 class Drafter(Protocol):
+    """What the decode loop calls, in this order, once per generation:
+
+        bind(model, tokenizer)        # then the loop reads .taps and .max_draft
+        prefill(prompt, taps)
+        repeat: propose(y, k, sampling) (skipped when k == 0), verify, commit(kept, taps)
+
+    Contracts the loop relies on (breaking the first one breaks losslessness):
+
+    * **A cut never looks at the token it gates.** With `Draft.length = L`, the event
+      "d_j is verified" (j < L) may depend on y, d_0 .. d_(j-1) and the drafter's state,
+      never on d_j itself or on later tokens. Then, given that it is verified, d_j is
+      still distributed as q_j and rejection sampling stays exact. A cut that reads d_j
+      (say, its own probability q_j(d_j)) keeps unlikely draws out of verification and
+      skews the output. DSpark's c_j reads h_j and d_(j-1) only (`spark_chain`).
+    * **q is what the tokens were drawn from.** `q[j]` is the distribution d_j was drawn
+      from, given d_<j and the state, over the target's vocabulary (zero outside the
+      drafter's own); q = None means the tokens are checked as point masses, which is
+      lossless whatever they are.
+    * **`taps` is read after `bind`.** A drafter may choose its taps in `bind` (MTP
+      picks the final norm or the last layer of this target), so the loop installs
+      the recorders only afterwards; `max_draft` too is read after `bind`.
+    * **`bind` is cheap and resets everything.** It runs at the start of every
+      generation, also on a drafter that served one before: it checks the target
+      (`check_target`, raising ValueError) and drops all per-generation state (caches,
+      queued features, counters), so no earlier generation leaks into this one. Work
+      that depends only on the target (an n-gram corpus index, a vocabulary
+      comparison) is done once and kept.
+    * **`propose` stays lazy.** It returns lazy arrays and does no host sync, so the
+      draft joins the verify forward in the step's single evaluation. A drafter that
+      must read a device value on the host documents it (DSpark's `cut="sync"`).
+      It may return fewer than k tokens; k is 1 .. min(max_draft, MAX_DRAFT).
+    * **`commit` gets exactly what the target kept.** `tokens` = `[y, d_0 .. d_(n-1)]`,
+      the inputs of this step the target consumed and kept (n accepted drafts, n <= L);
+      the target's own next token is not among them, it is the next `propose`'s y.
+      `taps` holds the target's hidden states at exactly those n + 1 positions (None
+      when `.taps` is empty). It also follows steps where nothing was proposed
+      (n = 0, `[y]` only), and rejected drafts are never reported: the drafter trims
+      whatever its proposal left behind.
+    """
+
     taps: tuple  # tap ids this drafter reads (mlx_spec.taps); () for none
-    max_draft: int  # the most tokens one propose() can return (<= 16)
+    max_draft: int  # the most tokens one propose() can return (<= MAX_DRAFT)
 
     def bind(self, model, tokenizer) -> None:
-        """Check compatibility with the target (raise ValueError) and reset state."""
+        """Check compatibility with the target (raise ValueError) and reset all state."""
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        """The target consumed the prompt `tokens`."""
+        """The target consumed the prompt `tokens` (with a reused prompt cache: the new part)."""
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        """Up to k tokens to follow the committed context and `y` (not yet consumed)."""
+        """Up to k tokens to follow the committed context and `y` (not yet consumed); lazy."""
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         """The target consumed and kept `tokens` (`[y, accepted drafts...]`)."""
@@ -65,6 +106,15 @@ def pick(logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | Non
         return mx.argmax(logits), None
     q = sampling.probs(logits)
     return mx.random.categorical(mx.log(q)), q
+
+
+def pick_block(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:
+    """Tokens from independent per-position logits [k, V]: argmax, or drawn from q when
+    `sample_drafts` (block drafters: DFlash, DSpark without a Markov head)."""
+    if sampling.greedy or not sample_drafts:
+        return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32), None)
+    q = sampling.probs(logits)  # [k, V]
+    return Draft(mx.random.categorical(mx.log(q)).astype(mx.uint32), q)
 
 
 def chain(
@@ -89,6 +139,14 @@ def chain(
     return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
 
 
+def target_lm_head(model):
+    """The target's output projection: its own `lm_head`, or the tied embedding."""
+    for owner in (model, getattr(model, "language_model", None)):
+        if owner is not None and "lm_head" in owner:
+            return owner["lm_head"]
+    return decoder_stack(model).embed_tokens.as_linear
+
+
 def vocab_size(model) -> int:
     """Size of the model's output vocabulary (its logits' last dimension)."""
     args = getattr(model, "args", None)
@@ -96,3 +154,67 @@ def vocab_size(model) -> int:
     if size is None:
         size = model.model.embed_tokens.weight.shape[0]
     return int(size)
+
+
+def target_args(model) -> dict:
+    """The target's config fields (the text config of a multimodal wrapper)."""
+    args = getattr(model, "args", None)
+    text = getattr(args, "text_config", None)
+    if isinstance(text, dict):
+        return dict(text)
+    return dict(vars(args)) if args is not None else {}
+
+
+# The two remedies a target mismatch can have.
+RECONVERT = "Convert the head again with --target pointing at this model."
+SAME_WEIGHTS = "Use the weights of this very model: load the target from the folder that holds them."
+
+
+def check_target(
+    model,
+    what: str,
+    fix: str = RECONVERT,
+    *,
+    made_for: Mapping | None = None,
+    hidden_size: int | None = None,
+    vocab: int | None = None,
+    layers: Sequence = (),
+    token_ids: Mapping[str, int] | None = None,
+) -> None:
+    """Refuse a target the drafter does not fit: one ValueError naming every mismatch, and `fix`.
+
+    `what` names the drafter ("this DFlash head"). Each check runs only when given:
+    `made_for` the target config fields the head was converted for (a converted folder's
+    `mlx_spec.target`), compared where the target has the field (`model_type` never is:
+    checkpoints and mlx-lm may name one architecture differently); `hidden_size` the width
+    the drafter reads, against the target's embedding width; `vocab` the vocabulary it
+    drafts over, against the target's; `layers` the tap ids it reads (decoder layers
+    0..n-1, `EMBED`, `FINAL_NORM`); `token_ids` ({name: id}) tokens it feeds or emits,
+    each inside the target's vocabulary.
+    """
+    problems = []
+    if made_for:
+        have = target_args(model)
+        differ = [f"{key}: head made for {want}, target has {have[key]}"
+                  for key, want in made_for.items()
+                  if key != "model_type" and want is not None and have.get(key) is not None
+                  and have[key] != want]
+        if differ:
+            problems.append(f"converted for another target ({'; '.join(differ)})")
+    if layers:
+        n = len(decoder_stack(model).layers)
+        bad = [t for t in layers if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n)]
+        if bad:
+            problems.append(f"reads target layers {bad}, but the target has {n} decoder layers (0..{n - 1})")
+    if hidden_size is not None:
+        width = decoder_stack(model).embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
+        if width != hidden_size:
+            problems.append(f"{hidden_size} wide, but the target's embeddings are {width} wide")
+    if vocab is not None or token_ids:
+        V = vocab_size(model)
+        if vocab is not None and vocab != V:
+            problems.append(f"drafts over {vocab} tokens, but the target's vocabulary has {V}")
+        problems += [f"{name} {tid} is outside the target's vocabulary (0..{V - 1})"
+                     for name, tid in (token_ids or {}).items() if not 0 <= tid < V]
+    if problems:
+        raise ValueError(f"{what} cannot draft for this target: {'; '.join(problems)}. {fix}")

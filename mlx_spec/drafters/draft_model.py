@@ -16,16 +16,14 @@ import mlx.core as mx
 
 from ..cache import Checkpoint, make_cache
 from ..sampling import Sampling
-from .base import MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
-
-PREFILL_CHUNK = 512
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, chain, vocab_size
 
 
 class DraftModelDrafter:
     """Draft with `draft_model`; pass its tokenizer to have the vocabularies compared."""
 
     taps: tuple[int, ...] = ()
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(self, draft_model, draft_tokenizer=None):
         self.model = draft_model

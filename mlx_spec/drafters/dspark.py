@@ -5,15 +5,18 @@ One step, for anchor y at position p (the committed length) and a block of B row
     h   = block forward of [y, mask x (B-1)]   # DFlash's network, called (composition)
     U   = lm_head(h)                            # [B, V]; row j predicts d_j (position p+j+1)
     s_j = U_j + W2 W1[x_{j-1}]                  # Markov bias, x_{-1} = y, x_j = d_j
-    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling, default)
+    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling, default: see below)
     c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)  # P(d_j survives | d_<j survived)
     L   = #{leading j : a_j = c_0 c_1 ... c_j >= threshold}
 
 Anchor-as-first-prediction: unlike DFlash, every block row drafts, so B rows give
 B tokens. q_j is conditioned on d_<j (left to right), which rejection sampling
-allows. The cut is non-anticipating: c_j depends on h_j and d_(j-1), never on
-d_j, so whether d_j is verified does not depend on its own value, and
-conditioned on being verified d_j is still distributed as q_j: lossless.
+allows. Drawing (`sample_drafts=True`, the default for every block drafter) accepts
+with probability 1 - TV(p_j, q_j) per position against p_j(argmax q_j) for argmax
+drafts (see `dflash.drafter`), and the Markov term keeps a drawn block on the
+branch its earlier tokens took. The cut is non-anticipating: c_j depends on h_j
+and d_(j-1), never on d_j, so whether d_j is verified does not depend on its own
+value, and conditioned on being verified d_j is still distributed as q_j: lossless.
 
 The cut without a host sync (`cut="mask"`, the default when a threshold is set):
 propose returns all k tokens plus a lazy `length` L, and the verifier must mask
@@ -33,61 +36,27 @@ the host inside propose (one extra host sync per step) and returns only L
 tokens, so the verify forward really shrinks.
 
 DeepSeek-V4's in-checkpoint DSpark stages (`mtp.*`, `probe_target`) live in
-`dspark_v4`; they share this module's Markov chain, confidences and cut
-(`SparkChain`).
+`dspark_v4`; both drafters take the Markov chain, the confidences and the cut
+from `spark_chain.SparkChain`, and only this one builds on DFlash's network.
 
 Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..sampling import Sampling
-from .base import MAX_DRAFT_DEFAULT, Draft, vocab_size
-from .dflash import (
-    BlockConfig, BlockContext, DFlashNet, assign, pick, read_weights, target_lm_head,
-)
-from .dflash.drafter import block_inputs, check_target
 from ..taps import decoder_stack
+from .base import MAX_DRAFT, target_lm_head
+from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
+from .dflash.drafter import block_inputs, check_block_target
+from .dspark_v4 import probe as probe_v4
+from .spark_chain import ConfidenceHead, MarkovHead, SparkChain, SparkConfig
 
-CUTS = ("mask", "sync")
 EXTRA_PREFIXES = ("embed_tokens.", "lm_head.", "markov_head.", "confidence_head.")
-
-
-@dataclass(frozen=True)
-class SparkConfig:
-    vocab_size: int
-    markov_rank: int = 0
-    confidence_head: bool = False
-    confidence_with_markov: bool = False
-    confidence_bias: bool = True
-    own_embeddings: bool = False
-    own_lm_head: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "SparkConfig":
-        names = cls.__dataclass_fields__
-        return cls(**{k: v for k, v in d.items() if k in names})
-
-
-class MarkovHead(nn.Module):
-    """Bigram bias B(prev, .) = W2 W1[prev]: W1 [V, r] is a lookup, W2 [V, r] a Linear r -> V."""
-
-    def __init__(self, vocab: int, rank: int):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
-
-
-class ConfidenceHead(nn.Module):
-    def __init__(self, dims: int, bias: bool):
-        super().__init__()
-        self.proj = nn.Linear(dims, 1, bias=bias)
 
 
 class SparkHeads(nn.Module):
@@ -107,102 +76,21 @@ class SparkHeads(nn.Module):
             self.confidence_head = ConfidenceHead(dims, spark.confidence_bias)
 
 
-def confidence_length(conf: mx.array, threshold: float) -> mx.array:
-    """conf [k] step confidences -> L = leading positions whose running product >= threshold."""
-    return mx.cumprod(mx.cumprod(conf) >= threshold).sum()
-
-
-class SparkChain:
-    """DSpark's sequential stage, shared by every DSpark drafter (here and `dspark_v4`).
-
-    A subclass sets `spark` (SparkConfig), `heads` (a module holding `markov_head`
-    and/or `confidence_head`), `sample_drafts`, `max_draft`, calls `set_cut`, and
-    implements `step_logits(y, k) -> (U [k, V], h [k, H])`.
-    """
-
-    spark: SparkConfig
-    heads: nn.Module
-    sample_drafts: bool
-    max_draft: int
-
-    def set_cut(self, confidence_threshold: float | None, cut: str = "mask") -> None:
-        """Verify only the prefix whose running confidence product stays >= the threshold.
-
-        None verifies the whole block. `cut="mask"` keeps propose lazy (needs the
-        whole block verified, `Draft.length` cuts acceptance); `cut="sync"` reads the length
-        on the host.
-        """
-        if cut not in CUTS:
-            raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
-        if confidence_threshold is not None and not self.spark.confidence_head:
-            raise ValueError("confidence_threshold needs a head with a confidence head; "
-                             "this checkpoint has none")
-        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
-        self.threshold, self.cut = confidence_threshold, cut
-
-    def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
-        raise NotImplementedError
-
-    def _chain(self, U, h, y, sampling) -> tuple[mx.array, mx.array | None, mx.array | None]:
-        """Sequential stage: Markov-corrected tokens, their q, and step confidences [k]."""
-        heads, sample = self.heads, self.sample_drafts and not sampling.greedy
-        conf_head = heads.confidence_head.proj if "confidence_head" in heads else None
-        if "markov_head" not in heads:  # DeepSpec "DFlash" layout: positions independent
-            d = pick(U, sampling, self.sample_drafts)
-            conf = None if conf_head is None else mx.sigmoid(conf_head(h)[:, 0])
-            return d.tokens, d.q, conf
-        w1, w2 = heads.markov_head.markov_w1, heads.markov_head.markov_w2
-        prev, tokens, qs, confs = mx.array([y], dtype=mx.uint32), [], [], []
-        for j in range(U.shape[0]):
-            e = w1(prev)[0]  # [r]
-            s = U[j] + w2(e)  # [V]
-            if sample:
-                qs.append(sampling.probs(s))
-                t = mx.random.categorical(mx.log(qs[-1]))
-            else:
-                t = mx.argmax(s)
-            if conf_head is not None:
-                feats = mx.concatenate([h[j], e.astype(h.dtype)]) if self.spark.confidence_with_markov else h[j]
-                confs.append(mx.sigmoid(conf_head(feats)[0]))
-            tokens.append(t)
-            prev = t.reshape(1).astype(mx.uint32)
-        return (mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None,
-                mx.stack(confs) if confs else None)
-
-    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        k = min(k, self.max_draft)
-        tokens, q, conf = self._chain(*self.step_logits(y, k), y, sampling)
-        if self.threshold is None:
-            return Draft(tokens, q)
-        length = confidence_length(conf.astype(mx.float32), self.threshold)
-        if self.cut == "mask":
-            return Draft(tokens, q, length)
-        n = int(length.item())  # cut="sync": the one extra host sync, by request
-        return Draft(tokens[:n], None if q is None else q[:n])
-
-
 class DSparkDrafter(SparkChain):
-    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at 16)."""
+    """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at MAX_DRAFT)."""
 
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
                  cut: str = "mask", sample_drafts: bool = True):
         self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
-        self.max_draft = min(cfg.block_size, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(cfg.block_size, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
         self._embed = self._head = None
 
     def bind(self, model, tokenizer) -> None:
-        check_target(model, self.cfg, self.taps, "this DSpark head")
-        V = vocab_size(model)
-        if self.spark.vocab_size != V:
-            raise ValueError(
-                f"this DSpark head drafts over {self.spark.vocab_size} tokens, the target "
-                f"has {V}; reduced draft vocabularies are not supported"
-            )
+        check_block_target(model, self.cfg, self.taps, "this DSpark head", vocab=self.spark.vocab_size)
         h = self.heads
         self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
         self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
@@ -245,12 +133,10 @@ def probe_target(folder, config: dict, model, **options):
 
     None when the folder's config has no `dspark_*` fields. Otherwise the
     drafter over the checkpoint's own stages (`mlx_spec.drafters.dspark_v4`,
-    formats.md §4.3), for a target loaded by mlx-lm's `deepseek_v41` model;
+    docs/dflash.md), for a target loaded by mlx-lm's `deepseek_v41` model;
     clear errors for missing fields or tensors. `options` as for `load`.
     """
     text = config.get("text_config", config)
     if not any(key.startswith("dspark_") for key in text):
         return None
-    from .dspark_v4 import probe
-
-    return probe(folder, config, model, **options)
+    return probe_v4(folder, config, model, **options)

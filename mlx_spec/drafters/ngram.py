@@ -16,7 +16,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..sampling import Sampling
-from .base import EMPTY, MAX_DRAFT_DEFAULT, Draft
+from .base import EMPTY, MAX_DRAFT, Draft
 
 
 
@@ -62,7 +62,7 @@ class NGramDrafter:
     """Prompt-lookup drafter (no model, no probabilities: proposals are point masses)."""
 
     taps: tuple[int, ...] = ()
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(
         self,

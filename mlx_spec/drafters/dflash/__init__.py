@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..layers import quantize_like
-from .drafter import DFlashDrafter, pick, target_lm_head
+from .drafter import DFlashDrafter
 from .net import BlockConfig, BlockContext, ContextCache, DFlashNet
 
 
@@ -37,7 +37,7 @@ def assign(module: nn.Module, weights: dict, config: dict, what: str) -> None:
         ) from None
 
 
-def load(folder, config: dict, model, *, sample_drafts: bool = False) -> DFlashDrafter:
+def load(folder, config: dict, model, *, sample_drafts: bool = True) -> DFlashDrafter:
     """The DFlash drafter stored in a converted head folder (LOADERS["dflash"])."""
     cfg = BlockConfig.from_dict(config)
     net = DFlashNet(cfg)
@@ -52,5 +52,5 @@ def load(folder, config: dict, model, *, sample_drafts: bool = False) -> DFlashD
 
 __all__ = [
     "BlockConfig", "BlockContext", "ContextCache", "DFlashDrafter", "DFlashNet",
-    "assign", "load", "pick", "read_weights", "target_lm_head",
+    "assign", "load", "read_weights",
 ]

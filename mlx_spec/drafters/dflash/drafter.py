@@ -7,11 +7,16 @@ j >= 1 predicts the token at position p + j, i.e. d[j-1]. Logits come from the
 target's LM head (times `output_multiplier`, then `softcap * tanh(l / softcap)`
 when the head config sets them, as Muse Glimmer does).
 
-Greedy: argmax tokens, q = None. Sampling: by default the same argmax tokens,
-checked by point-mass rejection sampling (q = None); with `sample_drafts=True`
-each d[j] is drawn from q_j = `sampling.probs(logits_j)`. Both are lossless: the
-block never looks at the drafted tokens, so q_j is the proposal's true
-distribution at every position whatever was drafted before it.
+Greedy: argmax tokens, q = None. Sampling: by default (`sample_drafts=True`)
+each d[j] is drawn from q_j = `sampling.probs(logits_j)`; with
+`sample_drafts=False` the argmax tokens are checked as point masses (q = None).
+Both are lossless: the block never looks at the drafted tokens, so q_j is the
+proposal's true distribution at every position whatever was drafted before it.
+Drawn drafts are the default, as for DSpark, because they accept more: a draw
+from q_j is accepted with probability sum_x min(p_j, q_j) = 1 - TV(p_j, q_j), an
+argmax with p_j(argmax q_j), which is lower wherever the target is unsure. Argmax
+wins only when nearly every position is near-deterministic, where the block stays
+on one branch (`scripts/block_draft_modes.py` measures both on exact marginals).
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
@@ -26,52 +31,20 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT_DEFAULT, Draft, vocab_size
+from ..base import MAX_DRAFT, Draft, check_target, pick_block, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
-def target_lm_head(model):
-    """The target's output projection (its own `lm_head`, or the tied embedding)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner["lm_head"]
-    return decoder_stack(model).embed_tokens.as_linear
-
-
-def check_target(model, cfg: BlockConfig, taps: tuple, what: str) -> None:
-    """Refuse a target whose width, depth or vocabulary does not fit the head."""
-    stack = decoder_stack(model)
-    n_layers, V = len(stack.layers), vocab_size(model)
-    bad = [t for t in taps if isinstance(t, int) and not 0 <= t < n_layers]
-    if bad:
-        raise ValueError(
-            f"{what} taps target layers {bad}, but this target has {n_layers} decoder "
-            "layers; convert the head with --target pointing at this model"
-        )
-    if not 0 <= cfg.mask_token_id < V:
-        raise ValueError(
-            f"{what} mask token id {cfg.mask_token_id} is outside the target's "
-            f"vocabulary (0..{V - 1}); is this the head for another model family?"
-        )
-    width = stack.embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
-    if width != cfg.hidden_size:
-        raise ValueError(
-            f"{what} has width {cfg.hidden_size}, the target's embeddings {width}: "
-            "DFlash heads embed the block with the target's own embeddings"
-        )
+def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: int | None = None) -> None:
+    """Refuse a target the block head does not fit: it embeds `[y, mask ...]` with the
+    target's own embeddings (so the widths must agree) and reads its layer taps."""
+    check_target(model, what, hidden_size=cfg.hidden_size, vocab=vocab, layers=taps,
+                 token_ids={"mask_token_id": cfg.mask_token_id})
 
 
 def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
     """[y, mask x (B-1)] as ids [B]."""
     return mx.array([y] + [cfg.mask_token_id] * (cfg.block_size - 1), dtype=mx.uint32)
-
-
-def pick(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:
-    """Tokens from independent per-position logits [k, V]: argmax, or drawn from q."""
-    if sampling.greedy or not sample_drafts:
-        return Draft(mx.argmax(logits, axis=-1).astype(mx.uint32), None)
-    q = sampling.probs(logits)  # [k, V]
-    return Draft(mx.random.categorical(mx.log(q)).astype(mx.uint32), q)
 
 
 class DFlashDrafter:
@@ -85,19 +58,19 @@ class DFlashDrafter:
         *,
         output_multiplier: float = 1.0,
         softcap: float | None = None,
-        sample_drafts: bool = False,
+        sample_drafts: bool = True,
     ):
         if cfg.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 rows, got block_size {cfg.block_size}")
         self.cfg, self.taps = cfg, tuple(taps)
-        self.max_draft = min(cfg.block_size - 1, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(cfg.block_size - 1, MAX_DRAFT)
         self.output_multiplier, self.softcap = output_multiplier, softcap
         self.sample_drafts = sample_drafts
         self.context = BlockContext(net, cfg, self.taps)
         self._embed = self._head = None
 
     def bind(self, model, tokenizer) -> None:
-        check_target(model, self.cfg, self.taps, "this DFlash head")
+        check_block_target(model, self.cfg, self.taps, "this DFlash head")
         self._embed = decoder_stack(model).embed_tokens  # raw rows: no target embedding norm/scale
         self._head = target_lm_head(model)
         self.context.reset()
@@ -128,7 +101,7 @@ class DFlashDrafter:
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
         h = self.hidden(y)  # [B, H]
-        return pick(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
+        return pick_block(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         self.context.add(taps, len(tokens))

@@ -15,9 +15,8 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...taps import EMBED, decoder_stack
-from ..base import MAX_DRAFT_DEFAULT, vocab_size
-from ..dflash.drafter import target_lm_head
-from ..dspark import SparkChain, SparkConfig
+from ..base import MAX_DRAFT, SAME_WEIGHTS, check_target, target_lm_head
+from ..spark_chain import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
 
 
@@ -43,29 +42,18 @@ class V4DSparkDrafter(SparkChain):
         self.layer_ids = tuple(int(l) for l in layer_ids)
         self.taps = tap_ids(self.layer_ids, net.variant)
         self.block_size, self.noise_token_id = block_size, noise_token_id
-        self.max_draft = min(block_size, MAX_DRAFT_DEFAULT)
+        self.max_draft = min(block_size, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = StageContext(net, window)
         self._embed = self._head = None
 
     def bind(self, model, tokenizer) -> None:
-        stack, args = decoder_stack(model), self.net.args
-        n, V = len(stack.layers), vocab_size(model)
-        problems = []
-        if not all(0 <= l < n for l in self.layer_ids):
-            problems.append(f"dspark_target_layer_ids {list(self.layer_ids)} need layers 0..{n - 1}")
-        if V != self.spark.vocab_size:
-            problems.append(f"vocabulary {V} vs the stages' {self.spark.vocab_size}")
-        if not 0 <= self.noise_token_id < V:
-            problems.append(f"dspark_noise_token_id {self.noise_token_id} is outside 0..{V - 1}")
-        width = stack.embed_tokens(mx.array([0])).shape[-1]  # shape only
-        if width != args.hidden_size:
-            problems.append(f"hidden size {width} vs the stages' {args.hidden_size}")
-        if problems:
-            raise ValueError("these DeepSeek-V4 DSpark stages do not fit the target: "
-                             + "; ".join(problems) + ". Load the target from the same folder.")
-        self._embed, self._head = stack.embed_tokens, target_lm_head(model)
+        # dspark_target_layer_ids are decoder layers (their input for V4.1), so check those
+        check_target(model, "these DeepSeek-V4 DSpark stages", SAME_WEIGHTS,
+                     hidden_size=self.net.args.hidden_size, vocab=self.spark.vocab_size,
+                     layers=self.layer_ids, token_ids={"dspark_noise_token_id": self.noise_token_id})
+        self._embed, self._head = decoder_stack(model).embed_tokens, target_lm_head(model)
         self.context.reset()
 
     def _add(self, taps: dict | None, n: int) -> None:

@@ -30,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import deepseek_v41 as dsv4
 from mlx_lm.utils import infer_quant_config
 
-from ..dspark import SparkConfig
+from ..spark_chain import SparkConfig
 from ..mtp.families import load_tensors, tensor_index
 from .drafter import V4DSparkDrafter
 from .net import DSparkStages, stage_args

@@ -1,6 +1,7 @@
 """The DSpark stages of a DeepSeek-V4 checkpoint (`mtp.{0..S-1}.*`) as one MLX module.
 
-Per committed position t (formats.md §4.3; taps are hc-stream means, see drafter.py):
+Per committed position t (DeepSeek's V4 reference `DSparkBlock` / `Transformer.forward_spec`
+and vLLM's `deepseek_v4/nvidia/dspark.py`; taps are hc-stream means, see drafter.py):
 
     m_t      = main_norm(main_proj([mean_c tap_1(t) ; ... ; mean_c tap_n(t)]))   # [H], once
     ctx_s(t) = fp8(RoPE_t(kv_norm_s(kv_proj_s(m_t))))        # per stage s; last `window` kept
@@ -34,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import deepseek_v41 as dsv4
 
-from ..dspark import ConfidenceHead, MarkovHead
+from ..spark_chain import ConfidenceHead, MarkovHead
 from . import flash
 
 VARIANTS = ("0731", "v41")

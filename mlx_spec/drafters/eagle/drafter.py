@@ -29,33 +29,14 @@ from mlx_lm.models.cache import KVCache
 
 from ...cache import rollback
 from ...sampling import Sampling
-from ...taps import EMBED, FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
-
-PREFILL_CHUNK = 512
-
-
-def target_args(model) -> dict:
-    """The target's config fields (text config for multimodal wrappers)."""
-    args = getattr(model, "args", None)
-    text = getattr(args, "text_config", None)
-    if isinstance(text, dict):
-        return dict(text)
-    return dict(vars(args)) if args is not None else {}
-
-
-def target_lm_head(model):
-    """The callable that turns the target's final-norm output into logits."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner["lm_head"]
-    return decoder_stack(model).embed_tokens.as_linear  # tied embeddings
+from ...taps import decoder_stack
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, check_target, target_lm_head, vocab_size
 
 
 class EagleDrafter:
     """Chain drafter around an `Eagle1Head` or `Eagle3Head` (see mlx_spec.drafters.eagle.heads)."""
 
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(self, head, taps: Sequence, config: dict, draft_to_target: mx.array | None = None):
         self.head = head
@@ -72,30 +53,16 @@ class EagleDrafter:
         self._chained = 0  # head positions fed with its own guesses, to trim at commit
 
     def bind(self, model, tokenizer) -> None:
-        self._check_target(model)
+        d2t = self._d2t is not None and self._d2t.size
+        check_target(model, "this EAGLE head", made_for=self.config.get("mlx_spec", {}).get("target", {}),
+                     layers=self.taps,
+                     token_ids={"largest draft_to_target id": int(self._d2t.max())} if d2t else None)
         stack = decoder_stack(model)
         self._embed = self.head.embed_tokens if "embed_tokens" in self.head else stack.embed_tokens
         self._lm = self.head.lm_head if "lm_head" in self.head else target_lm_head(model)
         self._v_target = vocab_size(model)
         self.cache = [KVCache() for _ in self.head.layers]
         self._reset()
-
-    def _check_target(self, model) -> None:
-        have = target_args(model)
-        n_layers = len(decoder_stack(model).layers)
-        want = self.config.get("mlx_spec", {}).get("target", {})
-        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
-            if want.get(key) is not None and have.get(key) is not None and want[key] != have[key]:
-                raise ValueError(
-                    f"this EAGLE head was converted for a target with {key}={want[key]}, "
-                    f"but the target has {have[key]}; convert it again with --target "
-                    "pointing at this model"
-                )
-        bad = [t for t in self.taps if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n_layers)]
-        if bad:
-            raise ValueError(f"the head reads target layer(s) {bad}, but the target has {n_layers} layers")
-        if self._d2t is not None and self._d2t.size and int(self._d2t.max()) >= vocab_size(model):
-            raise ValueError("the head's draft vocabulary maps to token ids beyond the target's vocabulary")
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
         if taps is None:

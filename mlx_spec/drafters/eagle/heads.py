@@ -1,4 +1,7 @@
-"""The EAGLE-1/2 and EAGLE-3 head networks (formats.md §1.3 and §2.4), as MLX modules.
+"""The EAGLE-1/2 and EAGLE-3 head networks, as MLX modules.
+
+Written from the EAGLE reference (github.com/SafeAILab/EAGLE): `eagle/model/cnets1.py`
+for EAGLE-1/2, `eagle/model/cnets.py` for EAGLE-3 (with vLLM's `llama_eagle3.py`).
 
 Both heads map one position at a time to the next: position t reads the
 embedding of token x_{t+1} and a feature of position t, and returns the

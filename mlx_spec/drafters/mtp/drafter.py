@@ -19,16 +19,17 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT_DEFAULT, Draft, chain, vocab_size
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
 
-PREFILL_CHUNK = 512
+SAME_MTP = ("Use the MTP weights of this very model: its own checkpoint folder, or a head "
+            "converted with --target pointing at it.")
 
 
 class MTPDrafter:
     """Draft with an `MTPHead`; the head's weights are already loaded."""
 
-    max_draft = MAX_DRAFT_DEFAULT
+    max_draft = MAX_DRAFT
 
     def __init__(self, head: MTPHead, config: MTPConfig):
         self.head, self.config = head, config
@@ -43,18 +44,11 @@ class MTPDrafter:
         self._drafted = 0  # positions the last proposal appended past the committed ones
 
     def bind(self, model, tokenizer) -> None:
+        check_target(model, "this MTP head", SAME_MTP, hidden_size=self.head.enorm.weight.shape[0],
+                     vocab=self.head.head.weight.shape[0] if "head" in self.head else None)
         stack = decoder_stack(model)
-        h_t = getattr(model, "language_model", model).args.hidden_size
-        h_d = self.head.enorm.weight.shape[0]
-        v_t = vocab_size(model)
-        v_d = (self.head.head.weight.shape[0] if "head" in self.head else v_t)
-        if h_t != h_d or v_t != v_d:
-            raise ValueError(
-                f"MTP head does not fit this target: head hidden {h_d}, vocab {v_d}; "
-                f"target hidden {h_t}, vocab {v_t}. Use the MTP weights of this very model."
-            )
         self._embed = stack.embed_tokens
-        self._lm_head = _lm_head(model, stack)
+        self._lm_head = target_lm_head(model)
         n_layers = len(stack.layers)
         self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (n_layers - 1,)
         self._bound = True
@@ -106,11 +100,3 @@ class MTPDrafter:
         else:  # y was fed by propose
             self._tokens = tokens[1:]
         self._hidden.append(rows)
-
-
-def _lm_head(model, stack):
-    """The target's output projection (its `lm_head`, or the tied embedding)."""
-    for owner in (model, getattr(model, "language_model", None)):
-        if owner is not None and "lm_head" in owner:
-            return owner.lm_head
-    return stack.embed_tokens.as_linear

@@ -1,8 +1,10 @@
 """Where each family keeps its MTP module, and how it becomes MLX weights.
 
-A family is the target's mlx-lm `model_type`. Its MTP module (formats.md §3)
-is read from the checkpoint's safetensors and renamed, by one key table per
-layout, into the head's own names:
+A family is the target's mlx-lm `model_type`. Its MTP module (tensor names as
+the checkpoints ship them and vLLM loads them: `vllm/model_executor/models/`
+`deepseek_mtp.py`, `glm4_moe_mtp.py`, `qwen3_next_mtp.py`, `qwen3_5_mtp.py`,
+`mimo_mtp.py`; DeepSeek-V3's `README_WEIGHTS.md`) is read from the checkpoint's
+safetensors and renamed, by one key table per layout, into the head's own names:
 
     enorm, hnorm   norms on the token embedding and on the target hidden state
     proj           the [H, 2H] projection of their concatenation

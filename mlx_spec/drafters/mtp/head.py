@@ -1,6 +1,7 @@
 """The MTP module as an MLX module, and the settings a head folder records.
 
-One forward over T positions (formats.md §3):
+One forward over T positions (as in vLLM's `vllm/model_executor/models/*_mtp.py` for
+these families):
 
     e = Emb(x_{t+1})            (e[position 0] = 0 for DeepSeek, GLM, MiMo)
     u = proj([enorm(e) ; hnorm(h_t)])     ([hnorm(h_t) ; enorm(e)] for MiMo)
@@ -12,7 +13,8 @@ One forward over T positions (formats.md §3):
 default, see `MTPConfig.hidden_state`); a chained step feeds back `g` (or `o`
 for "last_layer", so step 0 and later steps see the same kind of vector).
 The embedding and LM head are the target's unless the checkpoint ships its
-own (DeepSeek-V3, GLM-4.5; formats.md §0.3).
+own (DeepSeek-V3 and GLM-4.5 copy them into the module as `embed_tokens` and
+`shared_head.head`; GLM-4.6 does not, see vLLM PR #27597).
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""DSpark's sequential stage, shared by every DSpark drafter (`dspark`, `dspark_v4`).
+
+A parallel stage (DeepSpec's DFlash-style block, or DeepSeek-V4's in-checkpoint
+stages) gives base logits U [k, V] and hidden rows h [k, H] for the anchor y;
+`SparkChain` turns them into a draft:
+
+    s_j = U_j + W2 W1[x_{j-1}]                  # Markov bias, x_{-1} = y, x_j = d_j
+    d_j = argmax s_j (greedy)  |  d_j ~ q_j = probs(s_j) (sampling)
+    c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)  # P(d_j survives | d_<j survived)
+    L   = #{leading j : c_0 c_1 ... c_j >= threshold}
+
+c_j reads h_j and d_{j-1}, never d_j, so the cut is non-anticipating and
+lossless (see the `Drafter` protocol in `base`). Sources: the DSpark paper
+(`DSpark_paper.pdf`, section 3) and DeepSpec's `deepspec/modeling/dspark/markov_head.py`
+and `deepspec/eval/dspark/draft_ops.py` (github.com/deepseek-ai/DeepSpec); parameter names
+as in DeepSpec checkpoints (`markov_head.markov_w1`, `confidence_head.proj`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..sampling import Sampling
+from .base import Draft, pick_block
+
+CUTS = ("mask", "sync")
+
+
+@dataclass(frozen=True)
+class SparkConfig:
+    vocab_size: int
+    markov_rank: int = 0
+    confidence_head: bool = False
+    confidence_with_markov: bool = False
+    confidence_bias: bool = True
+    own_embeddings: bool = False
+    own_lm_head: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SparkConfig":
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+class MarkovHead(nn.Module):
+    """Bigram bias B(prev, .) = W2 W1[prev]: W1 [V, r] is a lookup, W2 [V, r] a Linear r -> V."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab, rank)
+        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dims: int, bias: bool):
+        super().__init__()
+        self.proj = nn.Linear(dims, 1, bias=bias)
+
+
+def confidence_length(conf: mx.array, threshold: float) -> mx.array:
+    """conf [k] step confidences -> L = leading positions whose running product >= threshold."""
+    return mx.cumprod(mx.cumprod(conf) >= threshold).sum()
+
+
+class SparkChain:
+    """DSpark's sequential stage, shared by every DSpark drafter (`dspark` and `dspark_v4`).
+
+    A subclass sets `spark` (SparkConfig), `heads` (a module holding `markov_head`
+    and/or `confidence_head`), `sample_drafts`, `max_draft`, calls `set_cut`, and
+    implements `step_logits(y, k) -> (U [k, V], h [k, H])`.
+    """
+
+    spark: SparkConfig
+    heads: nn.Module
+    sample_drafts: bool
+    max_draft: int
+
+    def set_cut(self, confidence_threshold: float | None, cut: str = "mask") -> None:
+        """Verify only the prefix whose running confidence product stays >= the threshold.
+
+        None verifies the whole block. `cut="mask"` keeps propose lazy (needs the
+        whole block verified, `Draft.length` cuts acceptance); `cut="sync"` reads the length
+        on the host.
+        """
+        if cut not in CUTS:
+            raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")
+        if confidence_threshold is not None and not self.spark.confidence_head:
+            raise ValueError("confidence_threshold needs a head with a confidence head; "
+                             "this checkpoint has none")
+        if confidence_threshold is not None and not 0.0 <= confidence_threshold <= 1.0:
+            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+        self.threshold, self.cut = confidence_threshold, cut
+
+    def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def _chain(self, U, h, y, sampling) -> tuple[mx.array, mx.array | None, mx.array | None]:
+        """Sequential stage: Markov-corrected tokens, their q, and step confidences [k]."""
+        heads, sample = self.heads, self.sample_drafts and not sampling.greedy
+        conf_head = heads.confidence_head.proj if "confidence_head" in heads else None
+        if "markov_head" not in heads:  # DeepSpec "DFlash" layout: positions independent
+            d = pick_block(U, sampling, self.sample_drafts)
+            conf = None if conf_head is None else mx.sigmoid(conf_head(h)[:, 0])
+            return d.tokens, d.q, conf
+        w1, w2 = heads.markov_head.markov_w1, heads.markov_head.markov_w2
+        prev, tokens, qs, confs = mx.array([y], dtype=mx.uint32), [], [], []
+        for j in range(U.shape[0]):
+            e = w1(prev)[0]  # [r]
+            s = U[j] + w2(e)  # [V]
+            if sample:
+                qs.append(sampling.probs(s))
+                t = mx.random.categorical(mx.log(qs[-1]))
+            else:
+                t = mx.argmax(s)
+            if conf_head is not None:
+                feats = mx.concatenate([h[j], e.astype(h.dtype)]) if self.spark.confidence_with_markov else h[j]
+                confs.append(mx.sigmoid(conf_head(feats)[0]))
+            tokens.append(t)
+            prev = t.reshape(1).astype(mx.uint32)
+        return (mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None,
+                mx.stack(confs) if confs else None)
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        k = min(k, self.max_draft)
+        tokens, q, conf = self._chain(*self.step_logits(y, k), y, sampling)
+        if self.threshold is None:
+            return Draft(tokens, q)
+        length = confidence_length(conf.astype(mx.float32), self.threshold)
+        if self.cut == "mask":
+            return Draft(tokens, q, length)
+        n = int(length.item())  # cut="sync": the one extra host sync, by request
+        return Draft(tokens[:n], None if q is None else q[:n])
