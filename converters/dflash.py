@@ -1,6 +1,6 @@
 """--format dflash: DFlash v1 block drafters, z-lab layout and Meta's Muse Glimmer assistant.
 
-Both layouts hold the same network (formats.md §5.2, §5.6); only names and
+Both layouts hold the same network (z-lab/dflash `dflash/model.py`; the Muse-Glimmer-30B-assistant model card's config and safetensors header); only names and
 config fields differ:
 
 | field                | z-lab (`DFlashDraftModel`)              | Muse (`MuseGlimmerAssistantModel`)  |
@@ -79,7 +79,7 @@ def read_target(target_folder) -> dict:
 
 
 def default_layer_ids(n_target: int, n_draft: int) -> list[int]:
-    """z-lab's default taps when a config names none (formats.md §0.2; Python's round)."""
+    """z-lab's default taps when a config names none (z-lab/dflash `dflash/model.py`; Python's round)."""
     if n_draft == 1:
         return [n_target // 2]
     start, end = 1, n_target - 3

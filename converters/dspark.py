@@ -1,4 +1,4 @@
-"""--format dspark: DeepSpec DSpark heads (`Qwen3DSparkModel`, formats.md §4.2).
+"""--format dspark: DeepSpec DSpark heads (`Qwen3DSparkModel` in deepseek-ai/DeepSpec `deepspec/modeling/dspark/qwen3/`).
 
 The checkpoint is a DFlash network (`fc`, `hidden_norm`, `layers.*`, `norm`,
 converted with the DFlash tables) plus:

@@ -221,7 +221,7 @@ def test_masked_cut_returns_the_whole_block_and_a_lazy_length(tmp_path):
     model, _, _ = echo_target()
     out, w = make_head(tmp_path)
     d = load_drafter(out, model)
-    d.set_cut(0.55)  # cut="mask"
+    d.set_cut(0.55, "mask")
     d.bind(model, None)
     taps = S.target_taps(model, PROMPT, d.taps)
     d.prefill(PROMPT, mx_taps(taps, 0, len(PROMPT)))
@@ -238,7 +238,7 @@ def test_greedy_output_is_the_targets_own(tmp_path, variant):
     out, _ = make_head(tmp_path, rank=0 if variant.startswith("rank0") else S.V,
                        **({"confidence_head_with_markov": False} if variant.startswith("rank0") else {}))
     d = load_drafter(out, model)
-    d.set_cut(*{"no-cut": (None,), "mask-cut": (0.5,), "sync-cut": (0.5, "sync"),
+    d.set_cut(*{"no-cut": (None,), "mask-cut": (0.5, "mask"), "sync-cut": (0.5, "sync"),
                 "rank0-dflash-layout": (None,)}[variant])
     got, stats = run(model, d, n=80)
     assert got == greedy(model, PROMPT, 80)

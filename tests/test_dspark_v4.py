@@ -256,7 +256,7 @@ def test_greedy_is_the_targets_own_and_tau_equals_numpy(tmp_path, tmp_path_facto
 @pytest.mark.parametrize("variant", ["v41-mask-cut", "sampled"])
 def test_other_modes_keep_the_output(tmp_path, tmp_path_factory, variant):
     folder, model, _ = folder_with(tmp_path, tmp_path_factory, "v41", trained=True)
-    d = load_drafter(folder, model, confidence_threshold=0.3)  # cut="mask"
+    d = load_drafter(folder, model, confidence_threshold=0.3, cut="mask")
     if variant == "v41-mask-cut":
         got, stats = run(model, d, n=30)
         assert got == greedy(model, PROMPT, 30) and stats.accepted > 0

@@ -4,7 +4,7 @@ This module holds what both converters share: reading the target's config
 (`--target` may be a folder or a Hugging Face repo id; only its config.json is
 needed), the head's decoder-layer fields in one normalised form, the
 `mlx_spec` block of the output config, and the translation of target layer
-ids from each checkpoint's convention into mlx-spec tap ids (formats.md §0.2):
+ids from each checkpoint's convention into mlx-spec tap ids (SafeAILab/EAGLE `eagle/model/cnets.py`, vLLM `llama_eagle3.py`, speculators' `eagle_aux_hidden_state_layer_ids`):
 
 | convention      | checkpoint id k means                 | mlx-spec tap id             |
 |-----------------|---------------------------------------|-----------------------------|

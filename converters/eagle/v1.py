@@ -1,4 +1,4 @@
-"""--format eagle: EAGLE-1/2 heads in the yuhuili layout (formats.md §1).
+"""--format eagle: EAGLE-1/2 heads in the yuhuili layout (SafeAILab/EAGLE `eagle/model/cnets1.py`).
 
 Checkpoint (`pytorch_model.bin` or safetensors, optional `model.` prefix):
 `fc.weight` [H, 2H] (+ `fc.bias`), `layers.{i}.*` Llama layers where layer 0

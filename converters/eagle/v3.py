@@ -1,4 +1,4 @@
-"""--format eagle3: EAGLE-3 heads in the yuhuili/SGLang and speculators layouts (formats.md §2).
+"""--format eagle3: EAGLE-3 heads in the yuhuili/SGLang and speculators layouts (SafeAILab/EAGLE `eagle/model/cnets.py`, vllm-project/speculators `models/eagle3/`).
 
 Layouts (keys may carry a `model.` prefix):
 * yuhuili / SGLang / SpecForge: a LlamaConfig at the top level plus

@@ -18,7 +18,7 @@ branch its earlier tokens took. The cut is non-anticipating: c_j depends on h_j
 and d_(j-1), never on d_j, so whether d_j is verified does not depend on its own
 value, and conditioned on being verified d_j is still distributed as q_j: lossless.
 
-The cut without a host sync (`cut="mask"`, the default when a threshold is set):
+The cut without a host sync (`cut="mask"`; the default is `"sync"`, below):
 propose returns all k tokens plus a lazy `length` L, and the verifier must mask
 its acceptance. For target probabilities p_0 .. p_k, drafts d_0 .. d_(k-1):
 
@@ -81,7 +81,7 @@ class DSparkDrafter(SparkChain):
 
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
-                 cut: str = "mask", sample_drafts: bool = True):
+                 cut: str = "sync", sample_drafts: bool = True):
         self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
         self.max_draft = min(cfg.block_size, MAX_DRAFT)
         self.sample_drafts = sample_drafts
@@ -115,7 +115,7 @@ class DSparkDrafter(SparkChain):
 
 
 def load(folder, config: dict, model, *, confidence_threshold: float | None = None,
-         cut: str = "mask", sample_drafts: bool = True) -> DSparkDrafter:
+         cut: str = "sync", sample_drafts: bool = True) -> DSparkDrafter:
     """The DSpark drafter stored in a converted head folder (LOADERS["dspark"])."""
     cfg, spark = BlockConfig.from_dict(config), SparkConfig.from_dict(config)
     weights = read_weights(folder)

@@ -78,12 +78,13 @@ class SparkChain:
     sample_drafts: bool
     max_draft: int
 
-    def set_cut(self, confidence_threshold: float | None, cut: str = "mask") -> None:
+    def set_cut(self, confidence_threshold: float | None, cut: str = "sync") -> None:
         """Verify only the prefix whose running confidence product stays >= the threshold.
 
-        None verifies the whole block. `cut="mask"` keeps propose lazy (needs the
-        whole block verified, `Draft.length` cuts acceptance); `cut="sync"` reads the length
-        on the host.
+        None verifies the whole block. `cut="sync"` (the default) reads the length on
+        the host, so the verify forward really shrinks; `cut="mask"` keeps propose lazy
+        but verifies the whole block and only masks acceptance with `Draft.length`: it
+        saves no work and can only lower tau, so it is there to study the cut.
         """
         if cut not in CUTS:
             raise ValueError(f"cut must be one of {CUTS}, got {cut!r}")

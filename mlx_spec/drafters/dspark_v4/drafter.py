@@ -36,7 +36,7 @@ class V4DSparkDrafter(SparkChain):
 
     def __init__(self, net: DSparkStages, spark: SparkConfig, layer_ids: Sequence[int], *,
                  block_size: int, noise_token_id: int, window: int,
-                 confidence_threshold: float | None = None, cut: str = "mask",
+                 confidence_threshold: float | None = None, cut: str = "sync",
                  sample_drafts: bool = True):
         self.net, self.heads, self.spark = net, net, spark
         self.layer_ids = tuple(int(l) for l in layer_ids)

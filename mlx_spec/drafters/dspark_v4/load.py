@@ -234,7 +234,7 @@ def _stage_count(text: dict, names: list, folder) -> int:
 
 
 def probe(folder, config: dict, model, *, confidence_threshold: float | None = None,
-          cut: str = "mask", sample_drafts: bool = True) -> V4DSparkDrafter | None:
+          cut: str = "sync", sample_drafts: bool = True) -> V4DSparkDrafter | None:
     """The DSpark drafter of a DeepSeek-V4 target folder; None without dspark_* fields."""
     text = config.get("text_config", config)
     if not any(key.startswith("dspark_") for key in text):
