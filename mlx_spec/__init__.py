@@ -19,6 +19,8 @@ _EXPORTS = {
     "calibrate": ".adaptive",
     "CacheRollbackError": ".cache",
     "make_cache": ".cache",
+    "InUseError": ".identity",
+    "PromptCacheStore": ".prompt_cache",
     "Draft": ".drafters",
     "Drafter": ".drafters",
     "DraftModelDrafter": ".drafters",

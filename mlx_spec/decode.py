@@ -18,6 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import prompt_cache
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Drafter
 from .identity import Claims
@@ -99,20 +100,24 @@ def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
     stats = SpecStats(prompt_tokens=len(req.prompt))
     detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
     detok.reset()
+    hist = prompt_cache.history_of(cache) if keep_cache else None  # what the cache holds
     verifier = Verifier(model, cache, req, drafter.taps if drafter is not None else ())
-    emitted = last = 0
+    out: list[int] = []  # every token yielded
+    emitted = seen = 0
+    later = None  # the last step's kept (tokens, taps): told to the drafter when the caller goes on
     try:
         tic = time.perf_counter()
         with mx.stream(generation_stream):
             y, logprobs, taps = verifier.prefill(req.prompt)
             if drafter is not None:
-                drafter.prefill(req.prompt, taps)
+                prompt_cache.prefill_drafter(drafter, hist, req.prompt, taps)
         stats.prompt_tps = len(req.prompt) / (time.perf_counter() - tic)
         lengths = _draft_lengths(model, drafter, req, is_recurrent(cache))
         block, tic = [(y, False, logprobs)], time.perf_counter()
         while True:
-            for token, from_draft, lp in block:
-                emitted, last = emitted + 1, token
+            for seen, (token, from_draft, lp) in enumerate(block, 1):
+                out.append(token)
+                emitted = len(out)
                 finish = "stop" if token in eos else "length" if emitted == req.max_tokens else None
                 if token not in eos:
                     detok.add_token(token)
@@ -129,10 +134,13 @@ def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
                 k = min(k, req.max_tokens - emitted - 1)  # the block's last token must fit too
             t0 = time.perf_counter()
             with mx.stream(generation_stream):
+                if later is not None:
+                    drafter.commit(*later)
+                    later = None
                 draft = drafter.propose(y, k, req.sampling) if k > 0 else EMPTY
                 v = verifier.step(y, draft)
-                if drafter is not None:
-                    drafter.commit([y] + v.proposed[: v.n], v.taps)
+            if drafter is not None:
+                later = ([y] + v.proposed[: v.n], v.taps)
             lengths.observe(v.size, v.n, time.perf_counter() - t0)
             stats.observe(v.proposed, v.n, req.trace, k, gain, v.size)
             stats.step_seconds += time.perf_counter() - t0
@@ -144,7 +152,9 @@ def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
                 verifier.restore()
             elif keep_cache:  # the prompt and every token the caller saw, as in mlx-lm
                 with mx.stream(generation_stream):
-                    verifier.finish(len(req.prompt) + emitted, last)
+                    taps = verifier.finish(len(req.prompt) + emitted, out[-1])
+                    held = None if hist is None else hist.tokens + req.prompt + tuple(out)
+                    prompt_cache.settle(cache, held, drafter, later, seen, out[-1], taps)
         finally:
             verifier.close()
 

@@ -145,16 +145,20 @@ class Verifier:
         self._start.keep([])
         self.consumed, self._last = 0, None
 
-    def finish(self, want: int, last: int) -> None:
+    def finish(self, want: int, last: int) -> dict | None:
         """Leave the cache holding the first `want` tokens this generation saw (prompt and
-        emitted), as mlx-lm's does: the last emitted token `last` is fed if it is not yet."""
+        emitted), as mlx-lm's does: the last emitted token `last` is fed if it is not yet
+        (then its taps are returned)."""
+        taps = None
         if self.consumed > want and self._last is not None:
             ckpt, kept = self._last
             ckpt.keep(kept[: len(kept) - (self.consumed - want)])
         elif self.consumed == want - 1:
             self.model(mx.array([[last]], mx.uint32), cache=self.cache)
-        mx.eval([c.state for c in self.cache])
+            taps = self._read_taps(1)
+        mx.eval([c.state for c in self.cache], taps)
         self.consumed, self._last = want, None
+        return taps
 
     def close(self) -> None:
         if self.taps is not None:

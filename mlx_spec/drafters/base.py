@@ -15,6 +15,7 @@ drafters ask for nothing and get None.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -81,7 +82,16 @@ class Drafter(Protocol):
       `taps` holds the target's hidden states at exactly those n + 1 positions (None
       when `.taps` is empty). It also follows steps where nothing was proposed
       (n = 0, `[y]` only), and rejected drafts are never reported: the drafter trims
-      whatever its proposal left behind.
+      whatever its proposal left behind. The loop may commit a prefix of what was
+      kept (the tokens the caller saw before stopping), then further tokens with no
+      proposal in between.
+    * **`prefill` appends.** It adds the prompt to whatever the drafter holds: nothing
+      after `bind`, or a state put back by `restore_state`.
+    * **Optional `save_state()` / `restore_state(state)`** (`SavesState`): an independent
+      copy of everything committed, taken between steps, and its restoration. With
+      them a drafter continues a conversation held in a reused prompt cache, reading
+      only the new prompt; without them it re-reads the history it can (n-gram, draft
+      model) or only the new prompt (heads, which need the target's hidden states).
     """
 
     taps: tuple  # tap ids this drafter reads (mlx_spec.taps); () for none
@@ -98,6 +108,27 @@ class Drafter(Protocol):
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         """The target consumed and kept `tokens` (`[y, accepted drafts...]`)."""
+
+
+class SavesState:
+    """`save_state` / `restore_state` for a drafter whose committed state lives in the
+    attributes named by `STATE` (dotted paths; none of them may hold a model)."""
+
+    STATE: tuple[str, ...] = ()
+
+    def save_state(self) -> dict:
+        return {path: copy.deepcopy(_get(self, path)) for path in self.STATE}
+
+    def restore_state(self, state: dict) -> None:
+        for path, value in state.items():  # copied again: a state can be restored many times
+            owner, _, name = path.rpartition(".")
+            setattr(_get(self, owner) if owner else self, name, copy.deepcopy(value))
+
+
+def _get(obj, path: str):
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def pick(logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:

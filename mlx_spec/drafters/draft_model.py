@@ -16,11 +16,13 @@ import mlx.core as mx
 
 from ..cache import Checkpoint, make_cache
 from ..sampling import Sampling
-from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, chain, vocab_size
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, vocab_size
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(SavesState):
     """Draft with `draft_model`; pass its tokenizer to have the vocabularies compared."""
+
+    STATE = ("cache", "_pending")  # committed state (SavesState)
 
     taps: tuple[int, ...] = ()
     max_draft = MAX_DRAFT
@@ -60,7 +62,7 @@ class DraftModelDrafter:
         return logits
 
     def prefill(self, tokens: Sequence[int], taps) -> None:
-        tokens = list(tokens)
+        tokens = self._pending + list(tokens)  # after restore_state, queued tokens come first
         for i in range(0, max(len(tokens) - 1, 0), PREFILL_CHUNK):
             self.model(mx.array(tokens[i : min(i + PREFILL_CHUNK, len(tokens) - 1)])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])

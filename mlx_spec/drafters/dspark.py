@@ -50,7 +50,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..taps import decoder_stack
-from .base import MAX_DRAFT, target_lm_head
+from .base import MAX_DRAFT, SavesState, target_lm_head
 from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
 from .dflash.drafter import block_inputs, check_block_target
 from .dspark_v4 import probe as probe_v4
@@ -76,8 +76,10 @@ class SparkHeads(nn.Module):
             self.confidence_head = ConfidenceHead(dims, spark.confidence_bias)
 
 
-class DSparkDrafter(SparkChain):
+class DSparkDrafter(SparkChain, SavesState):
     """DSpark drafter: proposes up to B tokens per step (B = block_size, capped at MAX_DRAFT)."""
+
+    STATE = ("context.caches",)  # committed state (SavesState)
 
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
@@ -97,7 +99,6 @@ class DSparkDrafter(SparkChain):
         self.context.reset()
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        self.context.reset()
         self.context.add(taps, len(tokens))
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:

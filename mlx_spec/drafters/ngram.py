@@ -16,7 +16,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..sampling import Sampling
-from .base import EMPTY, MAX_DRAFT, Draft
+from .base import EMPTY, MAX_DRAFT, Draft, SavesState
 
 
 
@@ -58,8 +58,10 @@ class NGramIndex:
         return []
 
 
-class NGramDrafter:
+class NGramDrafter(SavesState):
     """Prompt-lookup drafter (no model, no probabilities: proposals are point masses)."""
+
+    STATE = ("_index",)  # committed state (SavesState)
 
     taps: tuple[int, ...] = ()
     max_draft = MAX_DRAFT

@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import MAX_DRAFT, Draft, check_target, pick_block, target_lm_head
+from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
@@ -47,8 +47,10 @@ def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
     return mx.array([y] + [cfg.mask_token_id] * (cfg.block_size - 1), dtype=mx.uint32)
 
 
-class DFlashDrafter:
+class DFlashDrafter(SavesState):
     """DFlash block drafter over a target model; taps are layer outputs (mlx_spec.taps)."""
+
+    STATE = ("context.caches",)  # committed state (SavesState)
 
     def __init__(
         self,
@@ -76,7 +78,6 @@ class DFlashDrafter:
         self.context.reset()
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        self.context.reset()
         self.context.add(taps, len(tokens))
 
     def logits(self, h: mx.array) -> mx.array:

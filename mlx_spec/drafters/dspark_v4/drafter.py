@@ -15,7 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...taps import EMBED, decoder_stack
-from ..base import MAX_DRAFT, SAME_WEIGHTS, check_target, target_lm_head
+from ..base import MAX_DRAFT, SAME_WEIGHTS, SavesState, check_target, target_lm_head
 from ..spark_chain import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
 
@@ -31,8 +31,10 @@ def tap_ids(layer_ids: Sequence[int], variant: str) -> tuple:
     return tuple(EMBED if int(l) == 0 else int(l) - 1 for l in layer_ids)
 
 
-class V4DSparkDrafter(SparkChain):
+class V4DSparkDrafter(SparkChain, SavesState):
     """Drafts up to `block_size` tokens per step with the target's own DSpark stages."""
+
+    STATE = ("context.rows", "context.end")  # committed state (SavesState)
 
     def __init__(self, net: DSparkStages, spark: SparkConfig, layer_ids: Sequence[int], *,
                  block_size: int, noise_token_id: int, window: int,
@@ -66,7 +68,6 @@ class V4DSparkDrafter(SparkChain):
         self.context.add(feats)
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
-        self.context.reset()
         self._add(taps, len(tokens))
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:

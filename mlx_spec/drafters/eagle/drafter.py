@@ -30,11 +30,15 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import decoder_stack
-from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, check_target, target_lm_head, vocab_size
+from ..base import (
+    EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head, vocab_size,
+)
 
 
-class EagleDrafter:
+class EagleDrafter(SavesState):
     """Chain drafter around an `Eagle1Head` or `Eagle3Head` (see mlx_spec.drafters.eagle.heads)."""
+
+    STATE = ("cache", "_feats", "_toks")  # committed state (SavesState)
 
     max_draft = MAX_DRAFT
 
@@ -67,16 +71,20 @@ class EagleDrafter:
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
         if taps is None:
             raise ValueError("an EAGLE drafter needs target taps; run it through mlx_spec.stream_generate")
-        tokens = list(tokens)
+        tokens = [int(t) for t in tokens]
         feats = self.head.features(taps, self.taps)  # [P, H]
-        P = len(tokens)
-        # Pairs (f_t, x_{t+1}) for t < P - 1 are complete: consume them now, in chunks.
-        for s in range(0, P - 1, PREFILL_CHUNK):
-            e = min(s + PREFILL_CHUNK, P - 1)
-            emb = self._embed(mx.array(tokens[s + 1 : e + 1], mx.uint32)[None])
+        # Features and the tokens following them; a restored state's waiting pairs come first.
+        if self._feats is None:
+            nxt = tokens[1:]
+        else:
+            feats, nxt = mx.concatenate([self._feats, feats]), self._toks + tokens
+        # Pairs (f_t, x_{t+1}) are complete but for the last feature: consume them in chunks.
+        for s in range(0, len(nxt), PREFILL_CHUNK):
+            e = min(s + PREFILL_CHUNK, len(nxt))
+            emb = self._embed(mx.array(nxt[s:e], mx.uint32)[None])
             self.head(emb, feats[None, s:e], self.cache)
             mx.eval([c.state for c in self.cache])
-        self._feats, self._toks = feats[P - 1 :], []
+        self._feats, self._toks = feats[len(nxt) :], []
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         k = min(k, self.max_draft)

@@ -19,15 +19,17 @@ from mlx_lm.models.cache import KVCache
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack
-from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, chain, check_target, target_lm_head
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
 
 SAME_MTP = ("Use the MTP weights of this very model: its own checkpoint folder, or a head "
             "converted with --target pointing at it.")
 
 
-class MTPDrafter:
+class MTPDrafter(SavesState):
     """Draft with an `MTPHead`; the head's weights are already loaded."""
+
+    STATE = ("cache", "_hidden", "_tokens")  # committed state (SavesState)
 
     max_draft = MAX_DRAFT
 
@@ -62,16 +64,19 @@ class MTPDrafter:
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
         if not self._bound:
             raise RuntimeError("MTPDrafter.bind(model, tokenizer) must come first")
-        self._reset()
         h = taps[self.taps[0]]  # [T, H]
         tokens = [int(t) for t in tokens]
-        T = len(tokens)
-        # Positions 0..T-2 pair h_t with the known next token x_{t+1}.
-        for i in range(0, T - 1, PREFILL_CHUNK):
-            j = min(i + PREFILL_CHUNK, T - 1)
-            self._run(h[i:j], mx.array(tokens[i + 1 : j + 1], mx.uint32))
+        # Hidden states and the tokens following them; a restored state's queue comes first.
+        if not self._hidden:
+            nxt = tokens[1:]
+        else:
+            h, nxt = mx.concatenate([*self._hidden, h]), self._tokens + tokens
+        # Every h_t but the last pairs with its known next token x_{t+1}.
+        for i in range(0, len(nxt), PREFILL_CHUNK):
+            j = min(i + PREFILL_CHUNK, len(nxt))
+            self._run(h[i:j], mx.array(nxt[i:j], mx.uint32))
             mx.eval([c.state for c in self.cache])
-        self._hidden, self._tokens = [h[T - 1 :]], []
+        self._hidden, self._tokens = [h[len(nxt) :]], []
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         if k <= 0:
