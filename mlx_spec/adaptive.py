@@ -341,3 +341,71 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
     if recalibrate or key not in known:
         known[key] = fresh()
     return known[key]
+
+
+WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (rows x tokens)
+PROBE_BATCH = 8  # parked batch steps before a 1-token probe
+
+
+def wide_verify_seconds(model) -> list[float]:
+    """Seconds of forwards over `WIDE` tokens: the cost of a batch's verify, B rows x T tokens,
+    is taken to be that of one row of B * T tokens (the matmuls dominate). Cached as the curve."""
+    key = model_key(model) + ":wide"
+    times = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
+    if times is None or len(times) != len(WIDE):
+        log.info("calibrating batched verify costs of this model (once per model and device)")
+        every = measure_verify_seconds(model, WIDE[-1], repeats=1)
+        times = [every[w - 1] for w in WIDE]
+        _write_curve(cache_dir() / f"{key}.json", times)
+    _CURVES[key] = times
+    return times
+
+
+def batch_seconds(model, narrow: list[float], rows: int, width: int) -> float:
+    """Predicted seconds of one verify forward over `rows` rows of `width` tokens each."""
+    w = rows * width
+    if w <= len(narrow):
+        return narrow[w - 1]
+    wide = wide_verify_seconds(model)
+    for (w0, t0), (w1, t1) in zip(zip(WIDE, wide), zip(WIDE[1:], wide[1:])):
+        if w <= w1:
+            return t0 + (t1 - t0) * (w - w0) / (w1 - w0)
+    return wide[-1] * w / WIDE[-1]
+
+
+_PARKED = IdentityMap()  # model -> [batch steps parked in a row]
+
+
+def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
+    """Draft lengths for a batch verified in one forward, maximising the batch's tokens/s.
+
+    The forward costs the same for every row up to the longest draft, so rows on
+    `auto` all draft up to one K (each capped at its own k_max), chosen for
+    sum over rows of E_i(k_i) / (T(B rows x (K + 1)) + drafting); fixed-k rows
+    keep their k. K = 0 decodes plainly, with a 1-token probe now and then so
+    that drafting resumes when load drops or text becomes predictable.
+    """
+    auto = [p for p in policies if isinstance(p, AdaptiveK)]
+    fixed = [p.k for p in policies if not isinstance(p, AdaptiveK)]
+    if not auto:
+        return [(k, None) for k in fixed] if len(fixed) == len(policies) else []
+    narrow = auto[0].costs.verify
+    longest_fixed = max(fixed, default=0)
+
+    def rate(K: int) -> float:
+        ks = [min(K, p.k_max) for p in auto]
+        tokens = sum(p.expected_tokens(k) for p, k in zip(auto, ks)) + sum(f + 1 for f in fixed)
+        seconds = batch_seconds(model, narrow, len(policies), 1 + max(ks + [longest_fixed]))
+        return tokens / (seconds + sum(p.costs.draft_per_token * k for p, k in zip(auto, ks)))
+
+    rates = [rate(K) for K in range(max(p.k_max for p in auto) + 1)]
+    K = max(range(len(rates)), key=rates.__getitem__)
+    parked = _PARKED.setdefault(model, lambda: [0])
+    if K == 0:
+        parked[0] += 1
+        if parked[0] >= PROBE_BATCH:
+            parked[0], K = 0, 1
+    else:
+        parked[0] = 0
+    gain = rates[min(K, len(rates) - 1)] / rates[0]
+    return [(min(K, p.k_max), gain) if isinstance(p, AdaptiveK) else (p.k, None) for p in policies]

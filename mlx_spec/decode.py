@@ -9,8 +9,6 @@ the same code.
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
@@ -18,33 +16,15 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import prompt_cache
-from .cache import MAX_DRAFT, is_recurrent, prepare_cache
-from .drafters.base import EMPTY, Drafter
+from .batch import BatchDecoder
+from .cache import prepare_cache
+from .drafters.base import Drafter
 from .identity import Claims
-from .request import Request, make_request, refuse_unsupported, resolve_drafter
-from .stats import SpecStats
-from .verify import Verifier
+from .request import make_request, refuse_unsupported, resolve_drafter
+from .rows import Response, Row
 
 DEFAULT_NUM_DRAFT_TOKENS = "auto"
 CLAIMS = Claims()  # drafters and prompt caches in use by a live generator
-
-
-@dataclass
-class Response:
-    """One generated token, with mlx-lm's `GenerationResponse` fields (and `stats` on the last)."""
-
-    text: str  # the new text segment
-    token: int
-    logprobs: mx.array  # [V] the target's log-probabilities at this position (never the drafter's)
-    from_draft: bool
-    prompt_tokens: int
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: str | None = None  # None, "stop" (EOS) or "length" (max_tokens)
-    stats: SpecStats | None = None  # on the last response only
 
 
 def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
@@ -78,7 +58,7 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
         cache = prepare_cache(model, prompt_cache)
     if drafter is not None:
         drafter.bind(model, tokenizer)  # checks the pair, resets the drafter; nobody else uses it
-    gen = _generate(model, tokenizer, request, drafter, cache, prompt_cache is not None)
+    gen = _generate(model, tokenizer, request, drafter, cache, prompt_cache)
     for obj, _ in claimed:
         CLAIMS.take(obj, gen)
     return gen
@@ -89,80 +69,19 @@ _OPTIONS = {"max_tokens", "num_draft_tokens", "temp", "top_p", "top_k", "min_p",
             "kv_bits", "kv_group_size", "quantized_kv_start", "trace"}
 
 
-def _generate(model, tokenizer, request, drafter, cache, keep_cache):
-    with wired_limit(model, [generation_stream]):
-        yield from _decode(model, tokenizer, request, drafter, cache, keep_cache)
-
-
-def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
-    if req.seed is not None:
-        mx.random.seed(req.seed)
-    stats = SpecStats(prompt_tokens=len(req.prompt))
-    detok, eos = tokenizer.detokenizer, tokenizer.eos_token_ids
-    detok.reset()
-    hist = prompt_cache.history_of(cache) if keep_cache else None  # what the cache holds
-    verifier = Verifier(model, cache, req, drafter.taps if drafter is not None else ())
-    out: list[int] = []  # every token yielded
-    emitted = seen = 0
-    later = None  # the last step's kept (tokens, taps): told to the drafter when the caller goes on
+def _generate(model, tokenizer, request, drafter, cache, user_cache):
+    """The loop with one row: each step's block is yielded token by token."""
+    decoder = BatchDecoder(model, tokenizer, max_batch=1)
+    uid = decoder.add_row(lambda uid: Row(uid, model, tokenizer, request, drafter, cache, user_cache))
+    seen = None
     try:
-        tic = time.perf_counter()
-        with mx.stream(generation_stream):
-            y, logprobs, taps = verifier.prefill(req.prompt)
-            if drafter is not None:
-                prompt_cache.prefill_drafter(drafter, hist, req.prompt, taps)
-        stats.prompt_tps = len(req.prompt) / (time.perf_counter() - tic)
-        lengths = _draft_lengths(model, drafter, req, is_recurrent(cache))
-        block, tic = [(y, False, logprobs)], time.perf_counter()
-        while True:
-            for seen, (token, from_draft, lp) in enumerate(block, 1):
-                out.append(token)
-                emitted = len(out)
-                finish = "stop" if token in eos else "length" if emitted == req.max_tokens else None
-                if token not in eos:
-                    detok.add_token(token)
-                if finish is not None:
-                    detok.finalize()
-                _finish_stats(stats, emitted, tic)
-                yield Response(detok.last_segment, token, lp, from_draft, len(req.prompt),
-                               stats.prompt_tps, emitted, stats.generation_tps, stats.peak_memory,
-                               finish, stats if finish else None)
-                if finish is not None:
-                    return
-            k, gain = lengths.choose()
-            if req.max_tokens is not None:
-                k = min(k, req.max_tokens - emitted - 1)  # the block's last token must fit too
-            t0 = time.perf_counter()
-            with mx.stream(generation_stream):
-                if later is not None:
-                    drafter.commit(*later)
-                    later = None
-                draft = drafter.propose(y, k, req.sampling) if k > 0 else EMPTY
-                v = verifier.step(y, draft)
-            if drafter is not None:
-                later = ([y] + v.proposed[: v.n], v.taps)
-            lengths.observe(v.size, v.n, time.perf_counter() - t0)
-            stats.observe(v.proposed, v.n, req.trace, k, gain, v.size)
-            stats.step_seconds += time.perf_counter() - t0
-            stats.sync_seconds = verifier.sync_seconds
-            block, y = list(zip(v.emitted, [True] * v.n + [False], v.logprobs)), v.token
+        with wired_limit(model, [generation_stream]):
+            while decoder.busy:
+                for _, block in decoder.step():
+                    for seen, response in enumerate(block, 1):
+                        yield response
     finally:
-        try:
-            if emitted == 0:  # failed before the first token: the cache as before the call
-                verifier.restore()
-            elif keep_cache:  # the prompt and every token the caller saw, as in mlx-lm
-                with mx.stream(generation_stream):
-                    taps = verifier.finish(len(req.prompt) + emitted, out[-1])
-                    held = None if hist is None else hist.tokens + req.prompt + tuple(out)
-                    prompt_cache.settle(cache, held, drafter, later, seen, out[-1], taps)
-        finally:
-            verifier.close()
-
-
-def _finish_stats(stats: SpecStats, emitted: int, tic: float) -> None:
-    stats.generation_tokens = emitted
-    stats.generation_tps = emitted / max(time.perf_counter() - tic, 1e-9)
-    stats.peak_memory = mx.get_peak_memory() / 1e9
+        decoder.release(uid, seen)
 
 
 def generate(model, tokenizer, prompt, drafter=None, *, verbose: bool = False, **kwargs) -> str:
@@ -175,28 +94,3 @@ def generate(model, tokenizer, prompt, drafter=None, *, verbose: bool = False, *
     if verbose and last is not None:
         print("\n" + "=" * 10 + "\n" + last.stats.summary())
     return text
-
-
-class FixedK:
-    """The same draft length every step (0: plain decoding)."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def choose(self) -> tuple[int, None]:
-        return self.k, None
-
-    def observe(self, proposed: int, accepted: int, seconds: float) -> None:
-        pass
-
-
-def _draft_lengths(model, drafter, req: Request, recurrent: bool):
-    if drafter is None:
-        return FixedK(0)
-    k_max = min(drafter.max_draft, MAX_DRAFT)
-    if req.num_draft_tokens == "auto":
-        from .adaptive import policy_for
-
-        return policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
-                          seeded=req.seed is not None)
-    return FixedK(min(req.num_draft_tokens, k_max))

@@ -112,9 +112,9 @@ class Taps:
             self._installed.append((owner, key, rec))
         return rec
 
-    def read(self) -> dict:
-        """{id: [T, H]} for the last forward (batch 1)."""
-        return {tid: getattr(rec.seen, slot)[0] for tid, (rec, slot) in self._where.items()}
+    def read(self, row: int = 0) -> dict:
+        """{id: [T, H]} of batch row `row` in the last forward."""
+        return {tid: getattr(rec.seen, slot)[row] for tid, (rec, slot) in self._where.items()}
 
     def remove(self) -> None:
         """Stop reading; a recorder no other live `Taps` reads is unwrapped."""

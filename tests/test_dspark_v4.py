@@ -358,16 +358,18 @@ def test_sampled_output_follows_the_target_distribution(tmp_path):
               "dspark_noise_token_id": V8 - 1, "dspark_markov_rank": 4}
     w = R.stage_tensors(np.random.default_rng(4), config, "0731", len(IDS), 4)
     write(tmp_path, config, {**trunk_tensors(model), **w})
-    d = load_drafter(tmp_path, model, kind="dspark", confidence_threshold=0.6, cut="sync")
-    exact = exact_marginals(model, Sampling(temp=1.0), [1, 2, 3])
-    counts, tok, drafted, accepted = np.zeros((3, V8)), tiny.tokenizer(vocab=V8), 0, 0
-    for seed in range(600):
-        outs = list(mlx_spec.stream_generate(model, tok, [1, 2, 3], d, max_tokens=3,
+    d = load_drafter(tmp_path, model, kind="dspark")  # no cut: depth 3 every step
+    exact = exact_marginals(model, Sampling(temp=1.0), [1, 2, 3], positions=5)
+    counts, tok, drafted, accepted, deep = np.zeros((5, V8)), tiny.tokenizer(vocab=V8), 0, 0, 0
+    for seed in range(400):  # 5 tokens: the first verify step may draft 3 (max_tokens - 2)
+        outs = list(mlx_spec.stream_generate(model, tok, [1, 2, 3], d, max_tokens=5, trace=True,
                                              num_draft_tokens=3, seed=seed, temp=1.0))
         for j, r in enumerate(outs):
             counts[j, r.token] += 1
-        drafted, accepted = drafted + outs[-1].stats.drafted, accepted + outs[-1].stats.accepted
-    print(f"sampled: acceptance {accepted / drafted:.2f} over {drafted} drafts")
-    assert 0.1 < accepted / drafted < 0.9
-    for j in range(3):
+        s = outs[-1].stats
+        drafted, accepted = drafted + s.drafted, accepted + s.accepted
+        deep += any(len(t.proposed) >= 2 for t in s.trace)
+    print(f"sampled: acceptance {accepted / drafted:.2f} over {drafted} drafts, {deep} runs at depth 2+")
+    assert 0.1 < accepted / drafted < 0.9 and drafted > 400 and deep > 100
+    for j in range(5):
         assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"

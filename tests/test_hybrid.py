@@ -30,8 +30,9 @@ import tiny
 from mlx_spec import DraftModelDrafter, NGramDrafter
 from mlx_spec.cache import Checkpoint, make_cache
 from mlx_spec.drafters.base import Draft
+from mlx_spec import verify
 from mlx_spec.request import Request
-from mlx_spec.verify import Verifier
+from mlx_spec.rows import Row
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import FINAL_NORM, decoder_stack
 from stats_utils import chi2_pvalue, exact_marginals
@@ -151,14 +152,15 @@ def test_verifier_rollback_on_a_hybrid_target_equals_a_fresh_cache(blocks, promp
     model = _tiny_hybrid()
     prompt = np.random.default_rng(prompt_len).integers(0, tiny.VOCAB, prompt_len).tolist()
     cache = make_cache(model)
-    verifier = Verifier(model, cache, Request())
-    y, _, _ = verifier.prefill(prompt)
+    row = Row(0, model, tiny.tokenizer(), Request(prompt=tuple(prompt)), None, cache, None)
+    y, _ = verify.prefill(model, row)
     committed = prompt + [y]  # the target has consumed all but y
     for k, keep, seed in blocks:
         keep = min(keep, k)
         good = greedy_continuation(model, committed, keep)  # drafts the target agrees with
         bad = np.random.default_rng(seed).integers(0, tiny.VOCAB, k - keep).tolist()
-        v = verifier.step(y, Draft(mx.array(good + bad, mx.uint32)))
+        row.y = y
+        v, = verify.verify(model, cache, [row], [Draft(mx.array(good + bad, mx.uint32))])
         assert v.n >= keep
         committed += v.proposed[: v.n] + [v.token]
         y = v.token

@@ -21,7 +21,7 @@ from mlx_spec import NGramDrafter, Sampling, make_cache, stream_generate
 from mlx_spec.drafters.base import EMPTY
 from mlx_spec.drafters.base import target_lm_head
 from mlx_spec.request import Request
-from mlx_spec.verify import Verifier
+from mlx_spec.rows import Row
 from mlx_spec.taps import EMBED, FINAL_NORM, Taps, _Recorder, decoder_stack
 
 
@@ -188,7 +188,7 @@ def test_no_taps_installed_unless_a_drafter_asks():
     assert probe.seen and not any(probe.seen)
     assert all(t is None for t in probe.received)
     assert tuple(NGramDrafter().taps) == ()  # the loop installs taps only for a drafter's ids
-    assert Verifier(model, make_cache(model), Request(), ()).taps is None
+    assert Row(0, model, tok, Request(), NGramDrafter(), make_cache(model), None).taps is None
 
     asking = _Probe(taps=(1, FINAL_NORM))
     list(stream_generate(model, tok, [1, 2, 3], asking, max_tokens=4, num_draft_tokens=2))

@@ -1,0 +1,197 @@
+"""The decode loop for any number of requests: rows join, prefill, verify together, leave.
+
+    decoder = BatchDecoder(model, tokenizer, max_batch=4)
+    a = decoder.add("Hello", NGramDrafter(), max_tokens=64)
+    b = decoder.add([1, 2, 3], None, temp=0.7, seed=1)
+    while decoder.busy:
+        for uid, responses in decoder.step():   # each row's block of this step
+            ...
+        decoder.release(...)                     # rows the caller is done with
+
+Each step: at most one prefill chunk of a newly added row (a long prompt never
+stalls the others for long), then one verify forward over every decoding row,
+each with its own draft (its own drafter, length, sampling and seed), and each
+row keeps exactly its own accepted prefix (`mlx_spec.batch_cache`). A single
+row is the batch of one: its own cache, any cache kind. Rows whose caches
+cannot be merged (sliding windows, recurrent layers, `kv_bits`, `max_kv_size`)
+decode one at a time, in turn with the batch. `stream_generate` is this loop
+with one row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from . import batch_cache, verify
+from .cache import MAX_DRAFT, is_recurrent
+from .drafters.base import EMPTY
+from .rows import Response, Row
+
+log = logging.getLogger("mlx_spec")
+PREFILL_CHUNK = 512  # prompt tokens fed per step while other rows decode
+
+
+class BatchDecoder:
+    def __init__(self, model, tokenizer, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
+        if not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.waiting: list[Row] = []  # added, prompt not (fully) in yet; FIFO
+        self.active: list[Row] = []  # decoding; merged into `self.batch` when more than one
+        self.done: dict = {}  # finished rows the caller has not released yet
+        self.batch: list | None = None
+        self._uids = itertools.count()
+        self._said_solo = False
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.active)
+
+    def add_row(self, make_row) -> int:
+        uid = next(self._uids)
+        self.waiting.append(make_row(uid))
+        return uid
+
+    # ---- one step ----------------------------------------------------------------------
+    def step(self) -> list[tuple[int, list[Response]]]:
+        """Advance every row by one step; returns each row's new responses."""
+        events = []
+        with mx.stream(generation_stream):
+            if self.waiting and self._room_for(self.waiting[0]):
+                row = self.waiting[0]
+                try:
+                    first = verify.prefill(self.model, row, self.prefill_chunk if self.active else None)
+                    if first is not None:
+                        first = row.prefilled(*first)
+                except BaseException:
+                    self.waiting.pop(0)
+                    self.done[row.uid] = row
+                    raise
+                if first is not None:
+                    self.waiting.pop(0)
+                    events.append((row.uid, first))
+                    self._start(row) if row.finish is None else self._finish(row)
+            if self.active:
+                events += self._verify()
+        return events
+
+    def _room_for(self, row: Row) -> bool:
+        if not self.active:
+            return True
+        solo = not self._batchable(row) or not self._batchable(self.active[0])
+        if solo and not self._said_solo:
+            self._said_solo = True
+            log.info("this model or request cannot decode in a batch (its cache is not plain KV); "
+                     "requests are served one at a time")
+        return not solo and len(self.active) < self.max_batch
+
+    def _batchable(self, row: Row) -> bool:
+        return row.cache is None or (row.req.kv_bits is None and batch_cache.batchable(row.cache))
+
+    def _start(self, row: Row) -> None:
+        row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
+        if self.active:
+            if self.batch is None:
+                self.batch = batch_cache.merge([self.active[0].cache, row.cache])
+                self.active[0].cache = None
+            else:
+                batch_cache.join(self.batch, row.cache)
+            row.cache = None
+        self.active.append(row)
+
+    def _verify(self) -> list[tuple[int, list[Response]]]:
+        rows = self.active
+        t0 = time.perf_counter()
+        choices = choose_lengths(self.model, rows)
+        drafts = []
+        try:
+            for row, (k, _) in zip(rows, choices):
+                if row.req.max_tokens is not None:
+                    k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
+                row.commit_later()
+                row.seed_rng(2)
+                drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
+            cache = self.batch if self.batch is not None else rows[0].cache
+            verdicts = verify.verify(self.model, cache, rows, drafts)
+        except BaseException:
+            for row in list(rows):  # a failed step ends every row in it
+                self._finish(row)
+            raise
+        seconds = time.perf_counter() - t0
+        events = []
+        for row, v, (k, gain) in zip(list(rows), verdicts, choices):
+            events.append((row.uid, row.verified(v, k, gain, seconds if len(rows) == 1 else None)))
+            row.stats.step_seconds += seconds
+            if row.finish is not None:
+                self._finish(row)
+        return events
+
+    # ---- leaving -----------------------------------------------------------------------
+    def _finish(self, row: Row) -> None:
+        """Take a row out of the batch (its cache back as its own); it waits for `release`."""
+        if row in self.active:
+            i = self.active.index(row)
+            if self.batch is not None:
+                row.cache = batch_cache.extract(self.batch, i)
+                batch_cache.remove(self.batch, i, len(self.active))
+            self.active.pop(i)
+            if len(self.active) == 1 and self.batch is not None:
+                self.active[0].cache = batch_cache.extract(self.batch, 0)
+                self.batch = None
+        self.done[row.uid] = row
+
+    def release(self, uid: int, seen: int | None = None) -> None:
+        """The caller is done with row `uid` (finished or not), having seen `seen` responses of
+        its last block (None: all): its prompt cache is left as the caller saw it."""
+        row = next((r for r in self.waiting if r.uid == uid), None)
+        if row is not None:
+            self.waiting.remove(row)
+            self.done[uid] = row
+        row = next((r for r in self.active if r.uid == uid), None)
+        if row is not None:
+            self._finish(row)
+        row = self.done.pop(uid, None)
+        if row is not None:
+            with mx.stream(generation_stream):
+                row.settle(seen)
+
+
+def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
+    """Each row's draft length for this step: its own policy alone, the batch's choice together."""
+    if len(rows) == 1:
+        return [rows[0].lengths.choose()]
+    from .adaptive import choose_for_batch
+
+    return choose_for_batch(model, [r.lengths for r in rows])
+
+
+class FixedK:
+    """The same draft length every step (0: plain decoding)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> tuple[int, None]:
+        return self.k, None
+
+    def observe(self, proposed: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+
+def _draft_lengths(model, row: Row, recurrent: bool):
+    drafter, req = row.drafter, row.req
+    if drafter is None:
+        return FixedK(0)
+    k_max = min(drafter.max_draft, MAX_DRAFT)
+    if req.num_draft_tokens == "auto":
+        from .adaptive import policy_for
+
+        return policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
+                          seeded=req.seed is not None)
+    return FixedK(min(req.num_draft_tokens, k_max))

@@ -1,0 +1,174 @@
+"""One request inside the decode loop: its drafter, cache, random stream, stop rules and stats.
+
+A `Row` turns each verified block into responses (cutting it at EOS or
+`max_tokens`), tells its drafter what the target kept only once the caller
+goes on (so that a caller stopping mid-block leaves the drafter exactly at
+what it saw), and when it leaves the loop (`settle`) leaves its prompt cache
+holding the prompt and every token the caller saw, as mlx-lm's does.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import prompt_cache
+from .cache import Checkpoint, _layers, _snapshot_attrs
+from .request import Request
+from .stats import SpecStats
+from .taps import Taps
+
+
+@dataclass
+class Response:
+    """One generated token, with mlx-lm's `GenerationResponse` fields (and `stats` on the last)."""
+
+    text: str  # the new text segment
+    token: int
+    logprobs: mx.array  # [V] the target's log-probabilities at this position (never the drafter's)
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None  # None, "stop" (EOS) or "length" (max_tokens)
+    stats: SpecStats | None = None  # on the last response only
+
+
+class Row:
+    def __init__(self, uid, model, tokenizer, req: Request, drafter, cache: list, user_cache):
+        self.uid, self.model, self.req, self.drafter = uid, model, req, drafter
+        self.cache = cache  # this row's own cache whenever it is not merged into a batch
+        self.user_cache = user_cache  # the caller's prompt cache (None: dropped at the end)
+        self.hist = prompt_cache.history_of(cache) if user_cache is not None else None
+        self.start = Checkpoint(model, cache)  # the cache before this request
+        self.detok, self.eos = tokenizer.detokenizer, tokenizer.eos_token_ids
+        self.stats = SpecStats(prompt_tokens=len(req.prompt))
+        self.seed = req.seed if req.seed is not None else secrets.randbits(62)
+        self.taps = Taps(model, drafter.taps) if drafter is not None and drafter.taps else None
+        self.out: list[int] = []  # tokens handed to the caller (this block's included)
+        self.block = 0  # responses in the last block
+        self.consumed = 0  # tokens of this request fed into the target's cache
+        self.history = mx.zeros((0,), mx.uint32)  # the same tokens, for logits processors
+        self.prompt_taps: list = []
+        self.y: int | None = None  # the next input: emitted, not yet fed
+        self.later = None  # the last step's kept (tokens, taps), told to the drafter later
+        self.last = None  # (Checkpoint, kept) of the last single-row step
+        self.lengths = None  # draft-length policy, set when the row starts decoding
+        self.steps = 0
+        self.finish: str | None = None
+        self.sync_seconds = 0.0
+        self.tic = time.perf_counter()
+
+    # ---- inputs ------------------------------------------------------------------------
+    def seed_rng(self, phase: int) -> None:
+        """Seed MLX's random stream for this row's draws of this step: rows never share one."""
+        mx.random.seed((self.seed * 4_000_037 + 4 * self.steps + phase) % (1 << 63))
+
+    def read_taps(self, i: int, keep: int) -> dict | None:
+        return None if self.taps is None else {t: h[:keep] for t, h in self.taps.read(i).items()}
+
+    def fed(self, tokens) -> None:
+        self.consumed += len(tokens)
+        if self.req.logits_processors:
+            self.history = mx.concatenate([self.history, mx.array(list(tokens), mx.uint32)])
+
+    def progress(self, done: int, total: int) -> None:
+        if self.req.prompt_progress_callback is not None:
+            self.req.prompt_progress_callback(done, total)
+
+    # ---- steps -------------------------------------------------------------------------
+    def prefilled(self, y: int, logprobs: mx.array) -> list[Response]:
+        """The prompt is in: the drafter reads it, and the first token is emitted."""
+        taps = None
+        if self.taps is not None:
+            taps = {t: mx.concatenate([c[t] for c in self.prompt_taps]) for t in self.prompt_taps[0]}
+        self.prompt_taps = []
+        if self.drafter is not None:
+            prompt_cache.prefill_drafter(self.drafter, self.hist, self.req.prompt, taps)
+        self.stats.prompt_tps = len(self.req.prompt) / (time.perf_counter() - self.tic)
+        self.tic = time.perf_counter()
+        return self.emit([(y, False, logprobs)], y)
+
+    def commit_later(self) -> None:
+        if self.later is not None:
+            self.drafter.commit(*self.later)
+            self.later = None
+
+    def verified(self, v, k: int, gain, seconds: float | None) -> list[Response]:
+        """A verify step's outcome for this row (k asked, `gain` the policy's estimate)."""
+        if self.drafter is not None:
+            self.later = ([self.y] + v.proposed[: v.n], v.taps)
+        self.lengths.observe(v.size, v.n, seconds)
+        self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
+        self.stats.sync_seconds = self.sync_seconds
+        self.steps += 1
+        block = list(zip(v.emitted, [True] * v.n + [False], v.logprobs))
+        return self.emit(block, v.token)
+
+    def emit(self, block, y: int) -> list[Response]:
+        """Responses for a block, cut at EOS or `max_tokens`; `y` is the row's next input."""
+        out, st = [], self.stats
+        for token, from_draft, lp in block:
+            self.out.append(token)
+            n = len(self.out)
+            finish = "stop" if token in self.eos else "length" if n == self.req.max_tokens else None
+            if token not in self.eos:
+                self.detok.add_token(token)
+            if finish is not None:
+                self.detok.finalize()
+            st.generation_tokens = n
+            st.generation_tps = n / max(time.perf_counter() - self.tic, 1e-9)
+            st.peak_memory = mx.get_peak_memory() / 1e9
+            out.append(Response(self.detok.last_segment, token, lp, from_draft, len(self.req.prompt),
+                                st.prompt_tps, n, st.generation_tps, st.peak_memory, finish,
+                                st if finish else None))
+            if finish is not None:
+                self.finish = finish
+                break
+        self.block, self.y = len(out), y
+        return out
+
+    # ---- the end -----------------------------------------------------------------------
+    def settle(self, seen: int | None = None) -> None:
+        """Leave: the row's own cache holds the prompt and the tokens the caller saw (all of the
+        last block unless `seen` says how many of it); the caller's prompt cache gets it."""
+        try:
+            if not self.out:  # failed before the first token: the cache as before the call
+                self.start.keep([])
+            elif self.user_cache is not None:
+                if seen is not None:
+                    del self.out[len(self.out) - self.block + seen :]
+                    seen_in_block = seen
+                else:
+                    seen_in_block = self.block
+                self._finish_cache(seen_in_block)
+                self.user_cache[:] = self.cache
+        finally:
+            if self.taps is not None:
+                self.taps.remove()
+                self.taps = None
+
+    def _finish_cache(self, seen: int) -> None:
+        want = len(self.req.prompt) + len(self.out)
+        taps = None
+        if self.consumed > want:  # the caller stopped inside a kept block
+            drop = self.consumed - want
+            if self.last is not None:
+                ckpt, kept = self.last
+                ckpt.keep(kept[: len(kept) - drop])
+            else:  # a row that left a batch: plain KV layers
+                for c in _layers(self.cache):
+                    assert _snapshot_attrs(c) is None
+                    c.trim(drop)
+        elif self.consumed == want - 1:  # the last token was emitted, not yet fed
+            self.model(mx.array([[self.out[-1]]], mx.uint32), cache=self.cache)
+            taps = self.read_taps(0, 1)
+        mx.eval([c.state for c in self.cache], taps)
+        self.consumed = want
+        held = None if self.hist is None else self.hist.tokens + self.req.prompt + tuple(self.out)
+        prompt_cache.settle(self.cache, held, self.drafter, self.later, seen, self.out[-1], taps)
