@@ -9,7 +9,6 @@ import pytest
 
 import dflash_synth as S
 import mlx_spec
-import tiny
 from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
                       use_rule, wrong_rule)
 from runs import mlx_lm_greedy as greedy_reference, spec_run
@@ -18,7 +17,6 @@ from converters import head as head_cli
 from converters.common import ConversionError
 from mlx_spec.cache import WindowKVCache
 from mlx_spec.heads import load_drafter
-from mlx_spec.sampling import Sampling
 from mlx_spec.taps import Taps
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 import dflash_synth as S
-import mlx_spec
-import tiny
 from converters import dspark as conv
 from converters import head as head_cli
 from converters.common import ConversionError
