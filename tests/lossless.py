@@ -31,6 +31,32 @@ from stats_utils import chi2_pvalue
 ALPHA = 1e-4  # a correct rule must pass every check at this level, a wrong one fail one
 
 
+# ---- targets --------------------------------------------------------------------------------
+
+
+def v8_llama(sharpen=2.0, dtype=None, **kw):
+    """A 1-layer tiny llama over 8 tokens. With another `sharpen` the same network with a
+    rescaled LM head (the target at another temperature): a draft close to it, not equal."""
+    model = tiny.llama_model(seed=3, vocab=8, sharpen=sharpen, layers=1, **kw)
+    if dtype is not None:
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+    return model
+
+
+def v8_successor_llama(gain=0.45):
+    """A target that mostly continues 0 1 2 .. 7 0 1 .. (its LM head row v is the
+    embedding of v - 1, p ~ 0.6 for the successor), so prompt lookup on such a prompt
+    is often right."""
+    model = v8_llama()
+    E = model.model.embed_tokens.weight
+    model.lm_head.weight = E[(mx.arange(8) - 1) % 8] * gain
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj.weight = mlp.down_proj.weight * 0.3
+    mx.eval(model.parameters())
+    return model
+
+
 # ---- the exact law ------------------------------------------------------------------------
 
 

@@ -25,36 +25,18 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
-import tiny
 from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
-                      use_rule, wrong_rule)
+                      use_rule, v8_llama, v8_successor_llama, wrong_rule)
 from mlx_spec import DraftModelDrafter, NGramDrafter, make_cache
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
 POSITIONS = 5  # max_tokens: y, then a first block of k = 3 drafts and its bonus or correction
+SUCCESSOR_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # prompt lookup continues it
 FILTERED = dict(temp=0.7, top_p=0.9, top_k=6, min_p=0.05)
 
 
-def llama(sharpen=2.0, dtype=None, **kw):
-    """The 1-layer tiny target; with another `sharpen` the same network with a rescaled
-    LM head, i.e. the target at another temperature: a draft close to it but not equal."""
-    model = tiny.llama_model(seed=3, vocab=V, sharpen=sharpen, layers=1, **kw)
-    if dtype is not None:
-        model.set_dtype(dtype)
-        mx.eval(model.parameters())
-    return model
-
-
-def successor_llama(gain=0.45):
-    """A target that mostly continues 0 1 2 .. 7 0 1 .. (its LM head row v is the
-    embedding of v - 1), so prompt lookup on such a prompt is often right."""
-    model = llama()
-    E = model.model.embed_tokens.weight
-    model.lm_head.weight = E[(mx.arange(V) - 1) % V] * gain
-    model.model.layers[0].mlp.down_proj.weight = model.model.layers[0].mlp.down_proj.weight * 0.3
-    mx.eval(model.parameters())
-    return model
+llama = v8_llama
 
 
 def quantized_cache(model):
@@ -85,9 +67,9 @@ CASES = {
     # p and q filtered by top-p, min-p and top-k: different supports
     "draft-model-filtered": Case(llama, near_draft(), FILTERED, runs=1500),
     # point mass q = None (the residual is p without the drafted token)
-    "ngram-min_p": Case(successor_llama, lambda m: (lambda: NGramDrafter(min_n=1, max_n=2)),
-                        dict(temp=0.9, min_p=0.1), runs=1500,
-                        prompt=[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], first_share=0.6, events=60),
+    "ngram-min_p": Case(v8_successor_llama, lambda m: (lambda: NGramDrafter(min_n=1, max_n=2)),
+                        dict(temp=0.9, min_p=0.1), runs=1500, prompt=SUCCESSOR_PROMPT,
+                        first_share=0.6, events=60),
     # a bf16 target and draft (logits, p and q start out in bf16)
     "bf16": Case(lambda: llama(dtype=mx.bfloat16), near_draft(dtype=mx.bfloat16),
                  dict(temp=1.0), runs=1200),
