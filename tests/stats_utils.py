@@ -70,24 +70,3 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     if stat == math.inf:
         return 0.0
     return 1.0 if dof == 0 else chi2_sf(stat, dof)
-
-
-def exact_marginals(model, sampling, prompt, positions: int = 3) -> list:
-    """P(token at generated position j) for j < positions under plain sampling.
-
-    Enumerates every prefix the target can produce (a tiny vocabulary keeps this
-    small) and runs the target on all of them in one batch per position.
-    """
-    import mlx.core as mx
-
-    out, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        probs = np.array(sampling.probs(model(mx.array([list(prompt) + list(s) for s in seqs]))[:, -1]))
-        marginal, nxt = np.zeros(probs.shape[-1]), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            nxt.update({s + (int(t),): p_s * row[t] for t in np.nonzero(row)[0]})
-        out.append(marginal)
-        prefixes = nxt
-    return out
