@@ -174,6 +174,7 @@ def law_pvalues(runs: Runs, joint: np.ndarray, positions=None, pairs=None) -> di
 
 def assert_lossless(runs: Runs, joint: np.ndarray, **kw) -> dict[str, float]:
     p = law_pvalues(runs, joint, **kw)
+    print(f"lossless check over {len(runs.traces)} runs: smallest p {min(p.values()):.3g}")
     bad = {name: v for name, v in p.items() if not v > ALPHA}
     assert not bad, f"sampled law differs from the target's: {bad} (all: {p})"
     return p
@@ -182,6 +183,7 @@ def assert_lossless(runs: Runs, joint: np.ndarray, **kw) -> dict[str, float]:
 def assert_caught(runs: Runs, joint: np.ndarray, **kw) -> dict[str, float]:
     """The wrong rule must fail at least one of the checks."""
     p = law_pvalues(runs, joint, **kw)
+    print(f"wrong rule over {len(runs.traces)} runs: smallest p {min(p.values()):.3g}")
     assert min(p.values()) < ALPHA, f"the check missed a wrong rule: {p}"
     return p
 

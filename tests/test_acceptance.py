@@ -150,12 +150,23 @@ def test_a_draft_its_own_q_gives_probability_zero(rule, ok):
     assert pvalue > 1e-4 if ok else pvalue < 1e-4
 
 
-def test_greedy_dispatch_is_argmax_matching_whatever_q_and_the_seed():
+def matches_anywhere(logits, draft, q, sampling, length=None):
+    """Wrong on purpose: counts every draft that matches the argmax, not the leading run,
+    and ignores `length`."""
+    target = mx.argmax(logits, axis=-1)
+    n = (target[: draft.shape[0]] == draft).sum()
+    return n, target[n]
+
+
+@pytest.mark.parametrize("dispatch,ok", [(accept, True), (matches_anywhere, False)],
+                         ids=["library", "matches-anywhere"])
+def test_greedy_dispatch_is_argmax_matching_whatever_q_and_the_seed(dispatch, ok):
     logits = logits_for([1, 2, 3, 4])
     q = mx.array(np.full((3, 6), 1 / 6, np.float32))
+    want = [(2, 3), (3, 4), (1, 2), (0, 1)]
     for seed in range(5):
         mx.random.seed(seed)
-        got = [tuple(int(x.item()) for x in accept(logits, mx.array(d, mx.uint32), q, Sampling(), length))
+        got = [tuple(int(x.item()) for x in dispatch(logits, mx.array(d, mx.uint32), q, Sampling(), length))
                for d, length in [([1, 2, 0], None), ([1, 2, 3], None), ([1, 2, 3], mx.array(1)),
                                  ([0, 2, 3], None)]]
-        assert got == [(2, 3), (3, 4), (1, 2), (0, 1)]
+        assert (got == want) == ok, got
