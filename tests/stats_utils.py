@@ -39,18 +39,18 @@ def chi2_sf(x: float, dof: int) -> float:
     return math.exp(-z + a * math.log(z) - math.lgamma(a)) * h
 
 
-def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
-    """Pearson chi-square p-value of `counts` against `probs`, pooling sparse cells.
+def chi2_stat(counts, probs, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's statistic of `counts` against `probs` and its degrees of freedom.
 
     Cells whose expected count is below `min_expected` are pooled into one, so
     the asymptotic distribution holds; observations in a zero-probability cell
-    give p = 0 (the sampler produced something impossible).
+    give an infinite statistic (the sampler produced something impossible).
     """
-    counts = np.asarray(counts, dtype=np.float64)
-    probs = np.asarray(probs, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
     n = counts.sum()
     if np.any((probs <= 0) & (counts > 0)):
-        return 0.0
+        return math.inf, 1
     expected = probs * n
     big = expected >= min_expected
     obs = list(counts[big]) + [counts[~big].sum()]
@@ -59,27 +59,14 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
     keep = exp > 0
     obs, exp = obs[keep], exp[keep]
     if len(exp) < 2:
-        return 1.0
-    stat = float(((obs - exp) ** 2 / exp).sum())
-    return chi2_sf(stat, len(exp) - 1)
+        return 0.0, 0
+    return float(((obs - exp) ** 2 / exp).sum()), len(exp) - 1
 
 
-def exact_marginals(model, sampling, prompt, positions: int = 3) -> list:
-    """P(token at generated position j) for j < positions under plain sampling.
-
-    Enumerates every prefix the target can produce (a tiny vocabulary keeps this
-    small) and runs the target on all of them in one batch per position.
-    """
-    import mlx.core as mx
-
-    out, prefixes = [], {(): 1.0}
-    for _ in range(positions):
-        seqs = list(prefixes)
-        probs = np.array(sampling.probs(model(mx.array([list(prompt) + list(s) for s in seqs]))[:, -1]))
-        marginal, nxt = np.zeros(probs.shape[-1]), {}
-        for s, p_s, row in zip(seqs, prefixes.values(), probs):
-            marginal += p_s * row
-            nxt.update({s + (int(t),): p_s * row[t] for t in np.nonzero(row)[0]})
-        out.append(marginal)
-        prefixes = nxt
-    return out
+def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson chi-square p-value of `counts` against `probs`, pooling sparse cells
+    (see `chi2_stat`); 0 when a zero-probability cell was observed."""
+    stat, dof = chi2_stat(counts, probs, min_expected)
+    if stat == math.inf:
+        return 0.0
+    return 1.0 if dof == 0 else chi2_sf(stat, dof)

@@ -9,14 +9,14 @@ import pytest
 
 import dflash_synth as S
 import mlx_spec
-import tiny
+from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
+                      use_rule, wrong_rule)
 from runs import mlx_lm_greedy as greedy_reference, spec_run
 from converters import dflash as conv
 from converters import head as head_cli
 from converters.common import ConversionError
 from mlx_spec.cache import WindowKVCache
 from mlx_spec.heads import load_drafter
-from mlx_spec.sampling import Sampling
 from mlx_spec.taps import Taps
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
@@ -235,32 +235,50 @@ def test_a_quantized_head_still_decodes_losslessly(tmp_path):
 
 
 V8 = 8
+FLASH_PROMPT = [1, 2, 3]
+
+
+def sampled_flash(tmp_path_factory):
+    """(target, head folder, exact law) on an 8-token vocabulary, with a random 1-layer head
+    whose q is flat enough (q(d) well below 1) that ignoring it changes acceptance."""
+    if "flash" not in _targets:
+        tmp = tmp_path_factory.mktemp("flash-sampled")
+        model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
+        tdir = S.write_target(tmp / "t", model, tcfg)
+        w = S.network_weights(np.random.default_rng(5), 1, 2)
+        cfg = S.zlab_config(1, [0, 1], 3, block=4, mask=V8 - 1, vocab_size=V8)
+        head = conv.convert(S.save_checkpoint(tmp / "s", cfg, w), tmp / "h", tdir)
+        joint = exact_joint(model, FLASH_PROMPT, 5, dict(temp=1.0), vocab=V8)
+        _targets["flash"] = (model, head, joint)
+    return _targets["flash"]
+
+
+def flash_runs(tmp_path_factory, sample_drafts, runs, seed0=0):
+    model, head, _ = sampled_flash(tmp_path_factory)
+    d = load_drafter(head, model)
+    d.sample_drafts = sample_drafts
+    return sampled_runs(model, FLASH_PROMPT, lambda: d, runs, max_tokens=5, k=3, vocab=V8,
+                        seed0=seed0, temp=1.0)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sample_drafts", [False, True], ids=["point-mass", "own-q"])
-def test_sampled_output_follows_the_target_distribution(tmp_path, sample_drafts):
-    from stats_utils import chi2_pvalue, exact_marginals
+def test_sampled_output_follows_the_target_distribution(tmp_path_factory, sample_drafts):
+    """A 3-token block (k = 3, max_tokens = 5): argmax drafts checked as point masses, or
+    drafts drawn from the head's own q_j; marginals of positions 1..4 and neighbouring
+    pairs against np_sampler's exact law."""
+    runs = flash_runs(tmp_path_factory, sample_drafts, 1500 if sample_drafts else 800)
+    assert_deep(runs, events=40)
+    assert_lossless(runs, sampled_flash(tmp_path_factory)[-1])
 
-    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
-    tdir = S.write_target(tmp_path / "t", model, tcfg)
-    w = S.network_weights(np.random.default_rng(5), 1, 2)
-    w["norm.weight"] = w["norm.weight"] * 4  # sharper draft distributions
-    cfg = S.zlab_config(1, [0, 1], 3, block=4, mask=V8 - 1, vocab_size=V8)
-    d = load_drafter(conv.convert(S.save_checkpoint(tmp_path / "s", cfg, w), tmp_path / "h", tdir), model)
-    d.sample_drafts = sample_drafts
-    kw = dict(temp=1.0)
-    exact = exact_marginals(model, Sampling(**kw), [1, 2, 3])
-    counts, tok, drafted, accepted = np.zeros((3, V8)), tiny.tokenizer(vocab=V8), 0, 0
-    for seed in range(1000):
-        outs = list(mlx_spec.stream_generate(model, tok, [1, 2, 3], d, max_tokens=3,
-                                             num_draft_tokens=3, seed=seed, **kw))
-        for j, r in enumerate(outs):
-            counts[j, r.token] += 1
-        drafted, accepted = drafted + outs[-1].stats.drafted, accepted + outs[-1].stats.accepted
-    assert 0.1 < accepted / drafted < 0.9  # not vacuous: both outcomes occur
-    for j in range(3):
-        assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"
+
+@pytest.mark.slow
+def test_the_check_catches_q_ignored_for_a_q_bearing_head(monkeypatch, tmp_path_factory):
+    """Wrong on purpose: accept d_j with probability min(1, p_j(d_j)), ignoring q_j(d_j).
+    This matters only where q is returned: `sample_drafts=True`."""
+    use_rule(monkeypatch, wrong_rule(use_q=False))
+    runs = flash_runs(tmp_path_factory, True, 400, seed0=10_000)
+    assert_caught(runs, sampled_flash(tmp_path_factory)[-1])
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 import dflash_synth as S
-import mlx_spec
-import tiny
 from converters import dspark as conv
 from converters import head as head_cli
 from converters.common import ConversionError
@@ -19,6 +17,8 @@ from mlx_spec.drafters.base import Draft
 from mlx_spec.drafters.spark_chain import confidence_length
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
+from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
+                      use_rule, wrong_rule)
 from runs import mlx_lm_greedy as greedy, replay_greedy_blocks, spec_run, target_arrays
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
@@ -331,33 +331,78 @@ def test_masked_accept_with_drafts_from_q_is_lossless_for_the_first_token():
 
 # ---- sampled output through the whole loop -------------------------------------------------
 
+V8 = 8
+SPARK_PROMPT = [1, 2, 3]
+
+
+def bigram_spark(tmp_path_factory):
+    """(target, head folder, exact law): a near-bigram tiny qwen3 target (its layers' residual
+    writes scaled by 0.2) and a DSpark head whose Markov term is the target's own bigram
+    logits, sharpened 1.6x (the network's output is faded out), so drafts are often right
+    at every depth but q is not p (with q ~ p the residual would be close to p). Its
+    confidence depends on the previous token only (c = 0.55 .. 0.97), so with threshold
+    0.6 the cut lands anywhere in a 3-token block."""
+    if "spark" not in _state:
+        tmp = tmp_path_factory.mktemp("spark-sampled")
+        model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * 0.2
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * 0.2
+        mx.eval(model.parameters())
+        tdir = S.write_target(tmp / "t", model, tcfg)
+        bigram = np.array(model(mx.arange(V8)[:, None])[:, -1], np.float64)
+        rng = np.random.default_rng(4)
+        w = S.network_weights(rng, 1, 2)
+        w["norm.weight"] = w["norm.weight"] * 0.02
+        c = np.random.default_rng(0).permutation([0.97, 0.93, 0.9, 0.85, 0.8, 0.75, 0.7, 0.55])
+        conf = np.zeros((1, S.H + V8), np.float32)
+        conf[0, S.H:] = np.log(c / (1 - c))  # reads W1[prev] = onehot(prev)
+        w.update({"markov_head.markov_w1.weight": np.eye(V8, dtype=np.float32),
+                  "markov_head.markov_w2.weight": 1.6 * (bigram - bigram.mean(1, keepdims=True)).T.astype(np.float32),
+                  "confidence_head.proj.weight": conf,
+                  "confidence_head.proj.bias": np.zeros(1, np.float32)})
+        cfg = S.dspark_config(tcfg, 1, [0, 1], block=3, mask=V8 - 1, rank=V8)
+        head = conv.convert(S.save_checkpoint(tmp / "s", cfg, w), tmp / "h", tdir)
+        joint = exact_joint(model, SPARK_PROMPT, 5, dict(temp=1.0), vocab=V8)
+        _state["spark"] = (model, head, joint)
+    return _state["spark"]
+
+
+def spark_runs(tmp_path_factory, cut, runs, seed0=0):
+    model, head, _ = bigram_spark(tmp_path_factory)
+    d = load_drafter(head, model)
+    d.set_cut(None if cut is None else 0.6, cut or "mask")
+    return sampled_runs(model, SPARK_PROMPT, lambda: d, runs, max_tokens=5, k=3, vocab=V8,
+                        record_drafts=True, seed0=seed0, temp=1.0)
+
+
+def cut_at(runs):
+    """Per verify step over all runs: (k rows drafted, cut length L, accepted n)."""
+    return [(draft.size, draft.size if draft.length is None else int(draft.length.item()), t.accepted)
+            for drafts, trace in zip(runs.proposals, runs.traces) for draft, t in zip(drafts, trace)]
+
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cut", [None, "sync"])
-def test_sampled_output_follows_the_target_distribution(tmp_path, cut):
-    from stats_utils import chi2_pvalue
-    from stats_utils import exact_marginals
+@pytest.mark.parametrize("cut", [None, "mask", "sync"])
+def test_sampled_output_at_depth_follows_the_target_distribution(tmp_path_factory, cut):
+    """Markov q_j given d_(j-1), drafted from q, through the loop at k = 3: marginals of
+    positions 1..4 and neighbouring pairs against np_sampler's exact law. With the mask
+    cut (lazy `Draft.length`) the whole block is drafted, the cut must act, and blocks
+    accepted up to the cut (n = L < k: the next token from p_L) must be common."""
+    runs = spark_runs(tmp_path_factory, cut, {None: 600, "mask": 1500, "sync": 600}[cut])
+    assert_deep(runs, first_k=2, share=0.8, events=60)
+    steps = cut_at(runs)
+    if cut == "mask":  # every first step drafts the whole block; the cut then acts often
+        assert all(drafts[0].size == 3 for drafts in runs.proposals)
+        assert sum(L < size for size, L, _ in steps) > 0.3 * len(steps)
+        assert sum(n == L < size for size, L, n in steps) >= 300
+    assert_lossless(runs, bigram_spark(tmp_path_factory)[-1])
 
-    V8 = 8
-    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
-    tdir = S.write_target(tmp_path / "t", model, tcfg)
-    rng = np.random.default_rng(4)
-    w = S.network_weights(rng, 1, 2)
-    w.update({"markov_head.markov_w1.weight": rng.standard_normal((V8, 4)).astype(np.float32),
-              "markov_head.markov_w2.weight": rng.standard_normal((V8, 4)).astype(np.float32),
-              "confidence_head.proj.weight": rng.standard_normal((1, 68)).astype(np.float32) * 0.3,
-              "confidence_head.proj.bias": np.array([1.0], np.float32)})
-    cfg = S.dspark_config(tcfg, 1, [0, 1], block=3, mask=V8 - 1, rank=4)
-    d = load_drafter(conv.convert(S.save_checkpoint(tmp_path / "s", cfg, w), tmp_path / "h", tdir), model)
-    d.set_cut(None if cut is None else 0.6, cut or "mask")
-    exact = exact_marginals(model, Sampling(temp=1.0), [1, 2, 3])
-    counts, tok, drafted, accepted = np.zeros((3, V8)), tiny.tokenizer(vocab=V8), 0, 0
-    for seed in range(1000):
-        outs = list(mlx_spec.stream_generate(model, tok, [1, 2, 3], d, max_tokens=3,
-                                             num_draft_tokens=3, seed=seed, temp=1.0))
-        for j, r in enumerate(outs):
-            counts[j, r.token] += 1
-        drafted, accepted = drafted + outs[-1].stats.drafted, accepted + outs[-1].stats.accepted
-    assert 0.1 < accepted / drafted < 0.9
-    for j in range(3):
-        assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"
+
+@pytest.mark.slow
+def test_the_check_catches_a_residual_at_the_mask_cut(tmp_path_factory, monkeypatch):
+    """Wrong on purpose: at n = L < k the next token from the residual of row L, as if
+    d_L had been proposed and rejected. Only the mask cut has such steps."""
+    use_rule(monkeypatch, wrong_rule(cut="residual"))
+    runs = spark_runs(tmp_path_factory, "mask", 400, seed0=10_000)
+    assert_caught(runs, bigram_spark(tmp_path_factory)[-1])

@@ -35,7 +35,7 @@ from mlx_spec.request import Request
 from mlx_spec.rows import Row
 from mlx_spec.sampling import Sampling
 from mlx_spec.taps import FINAL_NORM, decoder_stack
-from stats_utils import chi2_pvalue, exact_marginals
+from lossless import assert_deep, assert_lossless, exact_joint, sampled_runs
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
 _built: dict = {}
@@ -96,26 +96,25 @@ def test_greedy_output_is_the_hybrid_targets_own(root, name, k):
 
 V8 = 8
 PROMPT8 = [1, 2, 3, 1, 2]
-RUNS = {"mtp": 1200, "ngram": 600, "qwen3_5-draft": 600}
+RUNS = {"mtp": 1000, "qwen3_5-draft": 600}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mtp", "ngram", "qwen3_5-draft"])
+@pytest.mark.parametrize("name", ["mtp", "qwen3_5-draft"])
 def test_sampled_output_has_the_hybrid_targets_distribution(root, name):
+    """3-token drafts (max_tokens = 5) on the hybrid target, so rejections after accepted
+    drafts replay kept tokens through the recurrent layers: marginals of positions 1..4
+    and neighbouring pairs against np_sampler's exact law. (Prompt lookup is left out:
+    on this short prompt it rarely offers 3 tokens, the replay does not depend on q, and
+    point-mass sampling at depth is tested in test_lossless_sampling.py.)"""
     folder, model, tok = hybrid(root, V8)
     kw = dict(temp=1.0, top_k=6)
-    exact = exact_marginals(model, Sampling(**kw), PROMPT8)
+    joint = exact_joint(model, PROMPT8, 5, kw, vocab=V8)
     drafter = drafters(folder, model)[name]()
-    counts, accepted, drafted = np.zeros((3, V8)), 0, 0
-    for seed in range(RUNS[name]):
-        out = list(mlx_spec.stream_generate(model, tok, PROMPT8, drafter, max_tokens=3,
-                                            num_draft_tokens=2, seed=seed, **kw))
-        for j, r in enumerate(out):
-            counts[j, r.token] += 1
-        accepted, drafted = accepted + out[-1].stats.accepted, drafted + out[-1].stats.drafted
-    for j in range(3):
-        assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"
-    assert 0.05 < accepted / drafted < 0.98  # rejections (and so replays) happen
+    runs = sampled_runs(model, PROMPT8, lambda: drafter, RUNS[name], max_tokens=5, k=3,
+                        vocab=V8, **kw)
+    assert_deep(runs, events=40)
+    assert_lossless(runs, joint)
 
 
 # ---- rollback property ------------------------------------------------------

@@ -1,90 +1,173 @@
-"""Sampled output has exactly the target's distribution, whatever the drafter.
+"""Sampled output has exactly the target's distribution, whatever the drafter, at depth.
 
-On a tiny 8-token vocabulary the exact marginal distribution of the first
-generated positions is computable by enumeration; thousands of seeded runs of
-speculative sampling must match it (chi-square). The same check run with a
-deliberately wrong acceptance rule fails, which shows the test has power.
+On an 8-token vocabulary the exact joint law of the first five generated tokens
+is computed by enumeration with a NumPy re-implementation of mlx-lm's sampler
+(`np_sampler`, independent of `mlx_spec.Sampling`). Seeded runs of speculative
+sampling with k = 3 (max_tokens = 5, so the first verify step really drafts 3
+tokens) must match it: per-position marginals of positions 1..4 and the joint
+law of the neighbouring pairs (1,2), (2,3), (3,4) (position 4 is the bonus when
+the first block is accepted whole), chi-square at 1e-4. Every run is traced and
+the guards assert that drafts at depth >= 1 were accepted and rejected and that
+whole blocks of >= 2 drafts were followed by a bonus, often.
+
+Power: each case is rerun with a deliberately wrong `rejection_accept`
+(`lossless.wrong_rule`) and the same check must fail; the rule chosen for a
+case is one whose error that case exercises (listed in WRONG).
 """
 
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import QuantizedKVCache
 
-import mlx_spec
-import mlx_spec.decode as engine
-import tiny
-from mlx_spec import DraftModelDrafter, NGramDrafter
-from mlx_spec.sampling import Sampling
-from stats_utils import chi2_pvalue, exact_marginals
+from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
+                      use_rule, v8_llama, v8_successor_llama, wrong_rule)
+from mlx_spec import DraftModelDrafter, NGramDrafter, make_cache
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2]
-RUNS = 1500
-SETTINGS = [dict(temp=1.0), dict(temp=0.7, top_p=0.9, top_k=5)]
+POSITIONS = 5  # max_tokens: y, then a first block of k = 3 drafts and its bonus or correction
+SUCCESSOR_PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]  # prompt lookup continues it
+FILTERED = dict(temp=0.7, top_p=0.9, top_k=6, min_p=0.05)
 
 
-def make_target():
-    return tiny.llama_model(seed=3, vocab=V, sharpen=2.0)
+def quantized_cache(model):
+    """4-bit KV layers (quantization groups of 32 need the 32-wide heads of heads=2)."""
+    return lambda: [QuantizedKVCache(group_size=32, bits=4) for _ in model.layers]
 
 
-def sample_counts(model, make_drafter, kw, positions=3):
-    tok = tiny.tokenizer(vocab=V)
-    counts = np.zeros((positions, V))
-    for seed in range(RUNS):
-        out = mlx_spec.stream_generate(model, tok, PROMPT, make_drafter(), max_tokens=positions,
-                                       num_draft_tokens=2, seed=seed, **kw)
-        for j, r in enumerate(out):
-            counts[j, r.token] += 1
-    return counts
+@dataclass
+class Case:
+    target: Callable  # () -> model
+    drafter: Callable  # model -> (() -> a fresh drafter)
+    sampling: dict
+    runs: int
+    prompt: list = field(default_factory=lambda: PROMPT)
+    eos: int | None = None
+    cache: Callable | None = None  # model -> (() -> a prompt cache for one run)
+    first_share: float = 0.9  # share of runs whose first step verifies 3 drafts
+    events: int = 100  # deep accepts, deep rejections and whole deep blocks, each at least
 
 
-DRAFTERS = {
-    "ngram": lambda: NGramDrafter(min_n=1, max_n=2),
-    "poor-draft-model": lambda: DraftModelDrafter(POOR_DRAFT),
+def near_draft(sharpen=4.0, **kw):
+    """The target's own network with its LM head doubled (the target at temperature 1/2):
+    about 60% of its drafts are accepted at temperature 1."""
+    draft = v8_llama(sharpen, **kw)
+    return lambda model: (lambda: DraftModelDrafter(draft))
+
+
+CASES = {
+    # q from the draft model's own sampling, chained (q_j depends on d_<j)
+    "draft-model-temp1": Case(v8_llama, near_draft(), dict(temp=1.0), runs=1500),
+    # p and q filtered by top-p, min-p and top-k: different supports
+    "draft-model-filtered": Case(v8_llama, near_draft(), FILTERED, runs=1500),
+    # point mass q = None (the residual is p without the drafted token)
+    "ngram-min_p": Case(v8_successor_llama, lambda m: (lambda: NGramDrafter(min_n=1, max_n=2)),
+                        dict(temp=0.9, min_p=0.1), runs=1500, prompt=SUCCESSOR_PROMPT,
+                        first_share=0.6, events=60),
+    # a bf16 target and draft (logits, p and q start out in bf16)
+    "bf16": Case(lambda: v8_llama(dtype=mx.bfloat16), near_draft(dtype=mx.bfloat16),
+                 dict(temp=1.0), runs=1200),
+    # a 4-bit quantized KV cache given as prompt_cache; the reference runs with one too
+    "quantized-kv": Case(lambda: v8_llama(heads=2, kv_heads=1), near_draft(heads=2, kv_heads=1),
+                         dict(temp=1.0), runs=1200, cache=quantized_cache),
+    # EOS = token 5 ends the text: as an accepted draft, a correction or a bonus
+    "eos": Case(v8_llama, near_draft(), dict(temp=1.0), runs=1500, eos=5, first_share=0.7, events=60),
 }
-POOR_DRAFT = tiny.llama_model(seed=17, vocab=V, layers=1, sharpen=3.0)
+
+# The wrong rule each case is shown to catch, and why it matters there.
+WRONG = {  # (case, rule): (wrong_rule arguments, runs)
+    # residual = p: a rejected draft token is redrawn with its full probability
+    ("draft-model-temp1", "residual-from-p"): (dict(residual="p"), 300),
+    # the bonus after 3 accepted drafts from p_2 instead of p_3: seen in the pair (3, 4)
+    ("draft-model-temp1", "bonus-from-wrong-row"): (dict(bonus_row=-1), 600),
+    # q ignored: drafts that q over-proposes are over-accepted
+    ("draft-model-filtered", "q-ignored"): (dict(use_q=False), 300),
+    # point mass: the residual must drop the drafted token
+    ("ngram-min_p", "residual-from-p"): (dict(residual="p"), 300),
+    ("bf16", "residual-from-p"): (dict(residual="p"), 400),
+    ("quantized-kv", "residual-from-p"): (dict(residual="p"), 300),
+    # EOS drawn as a correction: with the residual from p it comes too often
+    ("eos", "residual-from-p"): (dict(residual="p"), 500),
+}
+
+_built: dict = {}
+
+
+def build(name):
+    """(case, target, make_drafter, make_cache, exact joint law) for a case, built once."""
+    if name not in _built:
+        case = CASES[name]
+        model = case.target()
+        cache = None if case.cache is None else case.cache(model)
+        joint = exact_joint(model, case.prompt, POSITIONS, case.sampling, vocab=V, eos=case.eos,
+                            make_cache=cache)
+        _built[name] = (case, model, case.drafter(model), cache, joint)
+    return _built[name]
+
+
+def run(name, runs=None, seed0=0):
+    case, model, make_drafter, cache, _ = build(name)
+    return sampled_runs(model, case.prompt, make_drafter, runs or case.runs, max_tokens=POSITIONS,
+                        k=3, vocab=V, eos=case.eos, make_cache=cache, seed0=seed0, **case.sampling)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kw", SETTINGS, ids=["temp1", "temp0.7-topp-topk"])
-@pytest.mark.parametrize("dname", list(DRAFTERS))
-def test_sampled_positions_follow_the_target_distribution(dname, kw):
-    model = make_target()
-    exact = exact_marginals(model, Sampling(**kw), PROMPT)
-    counts = sample_counts(model, DRAFTERS[dname], kw)
-    for j in range(3):
-        assert chi2_pvalue(counts[j], exact[j]) > 1e-4, f"position {j}"
-
-
-def test_drafts_are_actually_accepted_and_rejected_in_this_setup():
-    # Guard against a vacuous test: both outcomes must occur often.
-    model = make_target()
-    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(vocab=V), PROMPT,
-                                        DraftModelDrafter(POOR_DRAFT), max_tokens=200,
-                                        num_draft_tokens=2, temp=1.0, seed=0))
-    s = out[-1].stats
-    assert 0.15 < s.acceptance_rate < 0.9
-
-
-def resample_from_p(logits, draft, q, sampling, length=None):
-    """Wrong: the right acceptance test, but a rejection redraws from p, not max(p - q, 0)."""
-    p = sampling.probs(logits)
-    k = draft.shape[0]
-    if k == 0:
-        return mx.array(0), mx.random.categorical(mx.log(p[0]))
-    rows = mx.arange(k)
-    q_d = q[rows, draft] if q is not None else mx.ones((k,))
-    accepted = mx.random.uniform(shape=(k,)) * q_d < p[rows, draft]
-    n = mx.cumprod(accepted).sum()
-    return n, mx.random.categorical(mx.log(p[n]))
+@pytest.mark.parametrize("name", [n for n in CASES if n != "eos"])
+def test_sampled_law_at_depth_is_the_targets(name):
+    case, *_, joint = build(name)
+    runs = run(name)
+    assert_deep(runs, share=case.first_share, events=case.events)
+    assert_lossless(runs, joint)
 
 
 @pytest.mark.slow
-def test_the_same_check_rejects_a_wrong_acceptance_rule(monkeypatch):
-    model = make_target()
-    kw = SETTINGS[0]
-    exact = exact_marginals(model, Sampling(**kw), PROMPT)
-    monkeypatch.setattr(engine, "accept", resample_from_p)
-    counts = sample_counts(model, DRAFTERS["poor-draft-model"], kw)
-    assert min(chi2_pvalue(counts[j], exact[j]) for j in range(1, 3)) < 1e-4
+def test_eos_under_sampling_stops_and_keeps_the_targets_law():
+    """EOS drawn as a correction, as a bonus and accepted as a draft: the text stops at
+    the first EOS (finish "stop", nothing after it), the prompt cache holds what was
+    emitted but the last token, and the law of the stopped sequences (symbol 8 = after
+    the stop) is the target's."""
+    case, model, make_drafter, _, joint = build("eos")
+    caches = []
+
+    def fresh_cache():
+        caches.append(make_cache(model))
+        return caches[-1]
+
+    runs = sampled_runs(model, case.prompt, make_drafter, case.runs, max_tokens=POSITIONS, k=3,
+                        vocab=V, eos=case.eos, make_cache=fresh_cache, **case.sampling)
+    assert_deep(runs, share=case.first_share, events=case.events)
+    roles = {"accepted draft": 0, "correction": 0, "bonus": 0}
+    for toks, trace, finish, cache in zip(runs.tokens, runs.traces, runs.finish, caches):
+        emitted = int((toks < V).sum())
+        stops = np.flatnonzero(toks == case.eos)
+        if stops.size:
+            assert finish == "stop" and emitted == stops[0] + 1, toks
+        else:
+            assert finish == "length" and emitted == POSITIONS
+        assert cache[0].offset == len(case.prompt) + emitted - 1
+        pos = 1  # the block of each verify step: accepted drafts, then the target's token
+        for t in trace:
+            block = list(toks[pos : pos + t.accepted + 1])
+            if case.eos in block:
+                i = block.index(case.eos)
+                roles["accepted draft" if i < t.accepted else
+                      "correction" if t.accepted < len(t.proposed) else "bonus"] += 1
+            pos += t.accepted + 1
+    assert min(roles.values()) >= 40, roles
+    assert runs.finish.count("stop") > 0.3 * case.runs
+    assert_lossless(runs, joint)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,rule", list(WRONG), ids=[f"{n}-{r}" for n, r in WRONG])
+def test_the_same_check_catches_a_wrong_rule(monkeypatch, name, rule):
+    joint = build(name)[-1]
+    kw, runs = WRONG[(name, rule)]
+    use_rule(monkeypatch, wrong_rule(**kw))
+    assert_caught(run(name, runs, seed0=10_000), joint)
