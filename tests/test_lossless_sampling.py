@@ -130,7 +130,7 @@ def test_sampled_law_at_depth_is_the_targets(name):
 def test_eos_under_sampling_stops_and_keeps_the_targets_law():
     """EOS drawn as a correction, as a bonus and accepted as a draft: the text stops at
     the first EOS (finish "stop", nothing after it), the prompt cache holds what was
-    emitted but the last token, and the law of the stopped sequences (symbol 8 = after
+    emitted, EOS included (as mlx-lm's), and the law of the stopped sequences (symbol 8 = after
     the stop) is the target's."""
     case, model, make_drafter, _, joint = build("eos")
     caches = []
