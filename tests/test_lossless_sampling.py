@@ -150,7 +150,7 @@ def test_eos_under_sampling_stops_and_keeps_the_targets_law():
             assert finish == "stop" and emitted == stops[0] + 1, toks
         else:
             assert finish == "length" and emitted == POSITIONS
-        assert cache[0].offset == len(case.prompt) + emitted - 1
+        assert cache[0].offset == len(case.prompt) + emitted  # every token the caller saw
         pos = 1  # the block of each verify step: accepted drafts, then the target's token
         for t in trace:
             block = list(toks[pos : pos + t.accepted + 1])
