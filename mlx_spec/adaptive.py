@@ -33,6 +33,7 @@ is lossless, so the choice affects only speed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -339,7 +340,9 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
     known = _POLICIES.setdefault(drafter, dict)
     key = (model_key(model), k_max, replays, sampling)
     if recalibrate or key not in known:
-        known[key] = fresh()
+        origin = getattr(drafter, "forked_from", lambda: None)()  # a fork starts warm, on its own copy
+        learned = _POLICIES.get(origin, {}).get(key) if origin is not None else None
+        known[key] = copy.deepcopy(learned) if learned is not None and not recalibrate else fresh()
     return known[key]
 
 
@@ -409,3 +412,11 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
         parked[0] = 0
     gain = rates[min(K, len(rates) - 1)] / rates[0]
     return [(min(K, p.k_max), gain) if isinstance(p, AdaptiveK) else (p.k, None) for p in policies]
+
+
+def hand_back(drafter) -> None:
+    """A fork's learned policies become its origin's, so the next fork starts from them."""
+    origin = getattr(drafter, "forked_from", lambda: None)()
+    mine = _POLICIES.get(drafter)
+    if origin is not None and mine:
+        _POLICIES.setdefault(origin, dict).update(mine)

@@ -27,19 +27,30 @@ import time
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
 from . import batch_cache, verify
-from .cache import MAX_DRAFT, is_recurrent
+from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY
+from .identity import Claims
+from .request import make_request, refuse_unsupported, resolve_drafter
 from .rows import Response, Row
 
 log = logging.getLogger("mlx_spec")
 PREFILL_CHUNK = 512  # prompt tokens fed per step while other rows decode
+CLAIMS = Claims()  # drafters and prompt caches in use by a live request
+OPTIONS = {"max_tokens", "num_draft_tokens", "temp", "top_p", "top_k", "min_p", "seed",
+           "logits_processors", "prompt_progress_callback", "prefill_step_size", "max_kv_size",
+           "kv_bits", "kv_group_size", "quantized_kv_start", "trace"}
 
 
 class BatchDecoder:
     def __init__(self, model, tokenizer, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
         if not (isinstance(max_batch, int) and max_batch >= 1):
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(tokenizer, TokenizerWrapper):
+            tokenizer = TokenizerWrapper(tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.waiting: list[Row] = []  # added, prompt not (fully) in yet; FIFO
@@ -53,30 +64,65 @@ class BatchDecoder:
     def busy(self) -> bool:
         return bool(self.waiting or self.active)
 
-    def add_row(self, make_row) -> int:
+    def add(self, prompt, drafter=None, *, draft_model=None, prompt_cache: list | None = None,
+            **options) -> int:
+        """Queue a request; returns its uid. Arguments as `stream_generate`'s, checked here
+        (bad input raises before any model work). `drafter` is used by this request alone
+        until it is released (`mlx_spec.InUseError` otherwise)."""
+        refuse_unsupported({k: v for k, v in options.items() if k not in OPTIONS})
+        req = make_request(self.model, self.tokenizer, prompt, **options)
+        drafter = resolve_drafter(drafter, draft_model, CLAIMS)
+        claimed = [(o, what) for o, what in ((drafter, "drafter"), (prompt_cache, "prompt cache"))
+                   if o is not None]
+        for obj, what in claimed:
+            CLAIMS.check(obj, what)
+        if prompt_cache is None:
+            cache = prepare_cache(self.model, make_prompt_cache(self.model, req.max_kv_size))
+        else:
+            cache = prepare_cache(self.model, prompt_cache)
+        if drafter is not None:
+            drafter.bind(self.model, self.tokenizer)  # checks the pair and resets it
         uid = next(self._uids)
-        self.waiting.append(make_row(uid))
+        row = Row(uid, self.model, self.tokenizer, req, drafter, cache, prompt_cache)
+        row.claimed = [obj for obj, _ in claimed]
+        for obj in row.claimed:
+            CLAIMS.take(obj, row)
+        self.waiting.append(row)
         return uid
+
+    def hand_over(self, uid: int, owner) -> None:
+        """Row `uid`'s drafter and prompt cache are in use while `owner` (a generator) lives."""
+        row = next(r for r in self.waiting if r.uid == uid)
+        for obj in row.claimed:
+            CLAIMS.take(obj, owner)
 
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[tuple[int, list[Response]]]:
-        """Advance every row by one step; returns each row's new responses."""
-        events = []
+        """Advance every row by one step; returns each row's new responses.
+
+        With rows already decoding, one prefill chunk of the next waiting row goes first;
+        with none, every waiting row that fits is prefilled whole, so they start together.
+        """
+        events, decoding = [], bool(self.active)
+        self.width = 0  # rows verified together in this step
         with mx.stream(generation_stream):
-            if self.waiting and self._room_for(self.waiting[0]):
+            while self.waiting and self._room_for(self.waiting[0]):
                 row = self.waiting[0]
                 try:
-                    first = verify.prefill(self.model, row, self.prefill_chunk if self.active else None)
+                    first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
                         first = row.prefilled(*first)
                 except BaseException:
                     self.waiting.pop(0)
                     self.done[row.uid] = row
                     raise
-                if first is not None:
-                    self.waiting.pop(0)
-                    events.append((row.uid, first))
-                    self._start(row) if row.finish is None else self._finish(row)
+                if first is None:
+                    break
+                self.waiting.pop(0)
+                events.append((row.uid, first))
+                self._start(row) if row.finish is None else self._finish(row)
+                if decoding:
+                    break
             if self.active:
                 events += self._verify()
         return events
@@ -107,6 +153,7 @@ class BatchDecoder:
 
     def _verify(self) -> list[tuple[int, list[Response]]]:
         rows = self.active
+        self.width = len(rows)
         t0 = time.perf_counter()
         choices = choose_lengths(self.model, rows)
         drafts = []
@@ -128,6 +175,7 @@ class BatchDecoder:
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
             events.append((row.uid, row.verified(v, k, gain, seconds if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds
+            row.stats.batch_sizes.append(len(verdicts))
             if row.finish is not None:
                 self._finish(row)
         return events

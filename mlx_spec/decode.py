@@ -9,22 +9,18 @@ the same code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
-from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .batch import BatchDecoder
-from .cache import prepare_cache
 from .drafters.base import Drafter
-from .identity import Claims
-from .request import make_request, refuse_unsupported, resolve_drafter
-from .rows import Response, Row
+from .rows import Response
+from .stats import SpecStats
 
 DEFAULT_NUM_DRAFT_TOKENS = "auto"
-CLAIMS = Claims()  # drafters and prompt caches in use by a live generator
 
 
 def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
@@ -42,46 +38,67 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
     here, before any model work. `prompt_cache` (from `mlx_spec.make_cache` or
     mlx-lm) holds the prompt and every token the caller saw when the generator
     ends or is closed early, as mlx-lm's does.
+
+    This is `BatchDecoder` with one row: the same loop as batched decoding.
     """
-    refuse_unsupported({k: v for k, v in options.items() if k not in _OPTIONS})
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    request = make_request(model, tokenizer, prompt, **options)
-    drafter = resolve_drafter(drafter, draft_model, CLAIMS)
-    claimed = [(obj, what) for obj, what in ((drafter, "drafter"), (prompt_cache, "prompt cache"))
-               if obj is not None]
-    for obj, what in claimed:
-        CLAIMS.check(obj, what)
-    if prompt_cache is None:
-        cache = prepare_cache(model, make_prompt_cache(model, request.max_kv_size))
-    else:
-        cache = prepare_cache(model, prompt_cache)
-    if drafter is not None:
-        drafter.bind(model, tokenizer)  # checks the pair, resets the drafter; nobody else uses it
-    gen = _generate(model, tokenizer, request, drafter, cache, prompt_cache)
-    for obj, _ in claimed:
-        CLAIMS.take(obj, gen)
+    decoder = BatchDecoder(model, tokenizer, max_batch=1)
+    uid = decoder.add(prompt, drafter, draft_model=draft_model, prompt_cache=prompt_cache,
+                      **options)
+    gen = _generate(decoder, uid)
+    decoder.hand_over(uid, gen)  # the drafter and prompt cache are in use while `gen` lives
     return gen
 
 
-_OPTIONS = {"max_tokens", "num_draft_tokens", "temp", "top_p", "top_k", "min_p", "seed",
-            "logits_processors", "prompt_progress_callback", "prefill_step_size", "max_kv_size",
-            "kv_bits", "kv_group_size", "quantized_kv_start", "trace"}
-
-
-def _generate(model, tokenizer, request, drafter, cache, user_cache):
-    """The loop with one row: each step's block is yielded token by token."""
-    decoder = BatchDecoder(model, tokenizer, max_batch=1)
-    uid = decoder.add_row(lambda uid: Row(uid, model, tokenizer, request, drafter, cache, user_cache))
+def _generate(decoder: BatchDecoder, uid: int):
+    """Each step's block is yielded token by token."""
     seen = None
     try:
-        with wired_limit(model, [generation_stream]):
+        with wired_limit(decoder.model, [generation_stream]):
             while decoder.busy:
                 for _, block in decoder.step():
                     for seen, response in enumerate(block, 1):
                         yield response
     finally:
         decoder.release(uid, seen)
+
+
+@dataclass
+class BatchResult:
+    texts: list[str]  # one per prompt, in order
+    tokens: list[list[int]]
+    stats: list[SpecStats]
+
+
+def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_batch: int = 8,
+                   **options) -> BatchResult:
+    """Generate for several prompts at once: rows verified in one forward, each keeping its
+    own accepted prefix (`BatchDecoder`). `drafter` is None, a function returning a new
+    drafter for each prompt, or a drafter whose `fork()` gives each prompt its own state.
+    `options` as `stream_generate`'s, for every prompt."""
+    if drafter is None or hasattr(drafter, "propose"):
+        make = (lambda: None) if drafter is None else drafter.fork
+    elif callable(drafter):
+        make = drafter
+    else:
+        raise TypeError(f"drafter must be None, a drafter or a function making one, got "
+                        f"{type(drafter).__name__}")
+    decoder = BatchDecoder(model, tokenizer, max_batch=max_batch)
+    uids = [decoder.add(p, make(), **options) for p in prompts]
+    texts, tokens, stats = ({u: "" for u in uids}, {u: [] for u in uids}, {})
+    try:
+        with wired_limit(model, [generation_stream]):
+            while decoder.busy:
+                for uid, block in decoder.step():
+                    for r in block:
+                        texts[uid] += r.text
+                        tokens[uid].append(r.token)
+                        if r.finish_reason is not None:
+                            stats[uid] = r.stats
+                            decoder.release(uid)
+    finally:
+        for uid in uids:
+            decoder.release(uid)
+    return BatchResult([texts[u] for u in uids], [tokens[u] for u in uids], [stats[u] for u in uids])
 
 
 def generate(model, tokenizer, prompt, drafter=None, *, verbose: bool = False, **kwargs) -> str:

@@ -66,7 +66,7 @@ class Claims:
         owner = ref() if ref is not None else None
         if owner is None:
             return
-        if inspect.getgeneratorstate(owner) == inspect.GEN_CLOSED:
+        if not _alive(owner):
             del self._owners[id(obj)]
             return
         raise InUseError(
@@ -75,7 +75,8 @@ class Claims:
         )
 
     def take(self, obj, owner) -> None:
-        """`owner` (a generator) uses `obj` until it finishes, is closed or dies.
+        """`owner` (a generator, or anything with a `settled` flag) uses `obj` until it
+        finishes, is closed (settled) or dies.
 
         The owner keeps `obj` alive, so its id cannot be reused while the claim
         stands; the claim goes with the owner.
@@ -86,3 +87,9 @@ class Claims:
     def _forget(self, key: int, ref) -> None:
         if self._owners.get(key) is ref:
             del self._owners[key]
+
+
+def _alive(owner) -> bool:
+    if inspect.isgenerator(owner):
+        return inspect.getgeneratorstate(owner) != inspect.GEN_CLOSED
+    return not getattr(owner, "settled", False)

@@ -61,6 +61,8 @@ class Row:
         self.lengths = None  # draft-length policy, set when the row starts decoding
         self.steps = 0
         self.finish: str | None = None
+        self.settled = False  # released: its drafter and prompt cache are free again
+        self.claimed: list = []
         self.sync_seconds = 0.0
         self.tic = time.perf_counter()
 
@@ -149,6 +151,11 @@ class Row:
                 self._finish_cache(seen_in_block)
                 self.user_cache[:] = self.cache
         finally:
+            self.settled = True
+            if self.drafter is not None and hasattr(self.drafter, "forked_from"):
+                from .adaptive import hand_back
+
+                hand_back(self.drafter)
             if self.taps is not None:
                 self.taps.remove()
                 self.taps = None

@@ -28,6 +28,7 @@ class SpecStats:
     step_seconds: float = 0.0  # wall time of the verify steps (propose .. commit)
     sync_seconds: float = 0.0  # of which spent waiting for MLX to evaluate the step's graph
     chosen_k: list[int] = field(default_factory=list)  # draft length chosen at each verify step
+    batch_sizes: list[int] = field(default_factory=list)  # rows verified together at each step
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
     _pos_accepted: list[int] = field(default_factory=list, repr=False)

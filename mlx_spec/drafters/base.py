@@ -16,6 +16,7 @@ drafters ask for nothing and get None.
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -118,6 +119,20 @@ class SavesState:
 
     def save_state(self) -> dict:
         return {path: copy.deepcopy(_get(self, path)) for path in self.STATE}
+
+    def fork(self):
+        """A drafter sharing this one's weights, with state of its own (for another request).
+
+        The objects on the `STATE` paths are copied, so `bind` on the fork resets only its own.
+        """
+        new = copy.copy(self)
+        new.forked_from = weakref.ref(self)  # where an adaptive policy may start from
+        for path in self.STATE:
+            owner = new
+            for name in path.split(".")[:-1]:
+                setattr(owner, name, copy.copy(getattr(owner, name)))
+                owner = getattr(owner, name)
+        return new
 
     def restore_state(self, state: dict) -> None:
         for path, value in state.items():  # copied again: a state can be restored many times
