@@ -171,6 +171,10 @@ class BatchDecoder:
                 self._finish(row)
             raise
         seconds = time.perf_counter() - t0
+        if len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded rows: no timings
+            from .batch_policy import observe_batch
+
+            observe_batch(self.model, [r.lengths for r in rows], [d.size for d in drafts], seconds)
         events = []
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
             events.append((row.uid, row.verified(v, k, gain, seconds if len(rows) == 1 else None)))
@@ -214,7 +218,7 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     """Each row's draft length for this step: its own policy alone, the batch's choice together."""
     if len(rows) == 1:
         return [rows[0].lengths.choose()]
-    from .adaptive import choose_for_batch
+    from .batch_policy import choose_for_batch
 
     return choose_for_batch(model, [r.lengths for r in rows])
 

@@ -191,13 +191,14 @@ def test_the_batch_drafts_less_as_rows_grow_and_stops_when_it_no_longer_pays(mon
     """Synthetic costs: a forward over w tokens costs 1 + 0.02 w up to about 4 tokens
     (latency-bound) and 0.25 w beyond (compute-bound). At 70% acceptance one row drafts
     3, two rows 1, eight rows nothing; when load drops again, drafting resumes."""
-    from mlx_spec import adaptive
-    from mlx_spec.adaptive import AdaptiveK, CostModel, choose_for_batch
+    from mlx_spec import batch_policy
+    from mlx_spec.adaptive import AdaptiveK, CostModel
+    from mlx_spec.batch_policy import choose_for_batch
 
     def cost(w):
         return max(1 + 0.02 * w, 0.25 * w)
 
-    monkeypatch.setattr(adaptive, "wide_verify_seconds", lambda model: [cost(w) for w in adaptive.WIDE])
+    monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [cost(w) for w in batch_policy.WIDE])
     policy = lambda: AdaptiveK(CostModel([cost(n) for n in range(1, 18)]), k_max=16)  # noqa: E731
     rows = [policy() for _ in range(8)]
     for p in rows:
@@ -210,3 +211,17 @@ def test_the_batch_drafts_less_as_rows_grow_and_stops_when_it_no_longer_pays(mon
     assert (alone, two) == (3, 1) and {k for k, _ in eight} == {0}
     again = choose_for_batch(model, rows[:2])[0][0]
     assert again == two  # load dropped: drafting resumes
+
+
+@pytest.mark.parametrize("name", ["eagle", "dflash"])
+def test_head_drafters_batch_with_a_fork_per_row(tmp_path, name):
+    """Each row reads its own target hidden states from the batched forward."""
+    import test_conversations as C
+
+    model, make = C.drafter_case(tmp_path, name)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [9, 9, 8, 7, 6, 5, 4, 3]]
+    res = mlx_spec.batch_generate(model, tiny.tokenizer(), prompts, make(), max_tokens=24,
+                                  num_draft_tokens=4)
+    for p, got, s in zip(prompts, res.tokens, res.stats):
+        assert got == reference(model, p, 24)
+        assert max(s.batch_sizes) == 3 and s.accepted > 0
