@@ -143,6 +143,7 @@ class BatchDecoder:
     def _start(self, row: Row) -> None:
         row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
         if self.active:
+            verify.land(self.active[0])  # a batch verifies every row's y itself
             if self.batch is None:
                 self.batch = batch_cache.merge([self.active[0].cache, row.cache])
                 self.active[0].cache = None
@@ -165,7 +166,10 @@ class BatchDecoder:
                 row.seed_rng(2)
                 drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
             cache = self.batch if self.batch is not None else rows[0].cache
-            verdicts = verify.verify(self.model, cache, rows, drafts)
+            if len(rows) == 1 and verify.pipelined(rows[0]):
+                verdicts = [verify.plain(self.model, rows[0])]
+            else:
+                verdicts = verify.verify(self.model, cache, rows, drafts)
         except BaseException:
             for row in list(rows):  # a failed step ends every row in it
                 self._finish(row)

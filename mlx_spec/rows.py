@@ -58,6 +58,8 @@ class Row:
         self.y: int | None = None  # the next input: emitted, not yet fed
         self.later = None  # the last step's kept (tokens, taps), told to the drafter later
         self.last = None  # (Checkpoint, kept) of the last single-row step
+        self.ahead = None  # a pipelined plain step in flight: (lazy token, its logits)
+        self.launched = 0  # pipelined steps launched
         self.lengths = None  # draft-length policy, set when the row starts decoding
         self.steps = 0
         self.finish: str | None = None
@@ -67,9 +69,10 @@ class Row:
         self.tic = time.perf_counter()
 
     # ---- inputs ------------------------------------------------------------------------
-    def seed_rng(self, phase: int) -> None:
+    def seed_rng(self, phase: int, step: int | None = None) -> None:
         """Seed MLX's random stream for this row's draws of this step: rows never share one."""
-        mx.random.seed((self.seed * 4_000_037 + 4 * self.steps + phase) % (1 << 63))
+        step = self.steps if step is None else step
+        mx.random.seed((self.seed * 4_000_037 + 4 * step + phase) % (1 << 63))
 
     def read_taps(self, i: int, keep: int) -> dict | None:
         return None if self.taps is None else {t: h[:keep] for t, h in self.taps.read(i).items()}

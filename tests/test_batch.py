@@ -225,3 +225,20 @@ def test_head_drafters_batch_with_a_fork_per_row(tmp_path, name):
     for p, got, s in zip(prompts, res.tokens, res.stats):
         assert got == reference(model, p, 24)
         assert max(s.batch_sizes) == 3 and s.accepted > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "hybrid"])
+def test_a_pipelined_plain_row_lands_its_step_in_flight_when_another_joins(name):
+    model = {"llama": tiny.llama_model, "hybrid": tiny.qwen3_5_model}[name]()
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
+    a = decoder.add(PROMPTS[0], None, max_tokens=30)
+    out = {}
+    for _ in range(4):
+        for uid, block in decoder.step():
+            out.setdefault(uid, []).extend(r.token for r in block)
+    row = decoder.active[0]
+    assert row.ahead is not None and row.consumed == len(PROMPTS[0]) + len(out[a])
+    b = decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=20)
+    out, widths = drain(decoder, out)
+    assert out[a] == reference(model, PROMPTS[0], 30) and out[b] == reference(model, PROMPTS[1], 20)
+    assert max(widths) == (2 if name == "llama" else 1)
