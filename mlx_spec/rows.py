@@ -71,6 +71,8 @@ class Row:
     # ---- inputs ------------------------------------------------------------------------
     def seed_rng(self, phase: int, step: int | None = None) -> None:
         """Seed MLX's random stream for this row's draws of this step: rows never share one."""
+        if self.req.sampling.greedy:  # nothing is drawn
+            return
         step = self.steps if step is None else step
         mx.random.seed((self.seed * 4_000_037 + 4 * step + phase) % (1 << 63))
 

@@ -139,10 +139,10 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
         rows[0].req.quantize_cache(cache)
     ckpt = Checkpoint(model, cache) if len(rows) == 1 else BatchCheckpoint(cache)
     try:
-        inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens,
-                                  mx.full((T - 1 - d.size,), r.y, mx.uint32)])
+        inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens]
+                                 + ([mx.full((T - 1 - d.size,), r.y, mx.uint32)] if d.size < T - 1 else []))
                   for r, d in zip(rows, drafts)]
-        logits = model(mx.stack(inputs), cache=cache)  # [B, T, V]
+        logits = model(mx.stack(inputs) if len(rows) > 1 else inputs[0][None], cache=cache)  # [B, T, V]
         tails, rows_logits = [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
             lg = processed(row, logits[i, : d.size + 1], inputs[i][: d.size + 1])

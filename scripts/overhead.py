@@ -1,15 +1,24 @@
-"""Per-step host overhead: the share of each decode step spent outside MLX evaluation.
+"""Host time per decode step: mlx-spec against mlx-lm's plain and speculative loops.
 
     python scripts/overhead.py [--model smollm2-135m-instruct] [--draft-model NAME] [--k 4]
+    python scripts/overhead.py --gpu-like      # 30 layers of width 64, a 49k vocabulary
 
-Prints, per drafter, tokens/s, tau and the host overhead (Python graph building and
-bookkeeping between the step's one evaluation). Target: under 5% of step time.
+Real model: per method, interleaved over rounds (medians printed), milliseconds per step,
+of which host milliseconds (time outside MLX evaluation and not overlapped with it:
+mlx-spec's `stats.host_ms_per_step`), and tokens/s. mlx-lm's loops give no such split;
+their ms per token is printed.
+
+GPU-like regime: a model whose arithmetic is negligible, so a step costs its fixed
+per-step work, as on a fast GPU. Printed: ms per step of mlx-lm's plain loop, mlx-spec's
+plain loop and an n-gram verify step (k drafted), and each one's ratio to mlx-lm's plain.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 
 def main() -> int:
@@ -21,25 +30,120 @@ def main() -> int:
     p.add_argument("--draft-model", default=None)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--gpu-like", action="store_true")
     args = p.parse_args()
+    return gpu_like(args) if args.gpu_like else real(args)
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def real(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step, speculative_generate_step
 
     import mlx_spec
     from mlx_spec.generate_cli import resolve_model
 
     model, tok = mlx_spec.load(resolve_model(args.model))
-    drafters = {"none": None, "ngram": mlx_spec.NGramDrafter()}
-    if args.draft_model:
-        draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        drafters["draft-model"] = mlx_spec.DraftModelDrafter(draft, draft_tok)
     text = "Rewrite this list with one item per line: apples, pears, plums, cherries, figs."
     ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    for name, drafter in drafters.items():
-        for _ in range(2):  # the first run warms up
-            *_, last = mlx_spec.stream_generate(model, tok, ids, drafter, max_tokens=args.max_tokens,
-                                                num_draft_tokens=args.k)
-        s = last.stats
-        print(f"{name:12s} {s.generation_tps:6.2f} tok/s  tau {s.tau:4.2f}  "
-              f"host overhead {s.host_overhead:5.1%} of {s.step_seconds / s.target_forwards * 1e3:.1f} ms/step")
+    methods = {"mlx-spec none": lambda: None, "mlx-spec ngram": mlx_spec.NGramDrafter}
+    draft = None
+    if args.draft_model:
+        draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
+        methods["mlx-spec draft"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
+
+    def ours(make):
+        out = list(mlx_spec.stream_generate(model, tok, ids, make(), max_tokens=args.max_tokens,
+                                            num_draft_tokens=args.k))
+        s = out[-1].stats
+        return s.step_seconds / s.target_forwards * 1e3, s.host_ms_per_step, s.generation_tps
+
+    def theirs(spec: bool):
+        tic, n = time.perf_counter(), 0
+        gen = (speculative_generate_step(mx.array(ids), model, draft, num_draft_tokens=args.k,
+                                         max_tokens=args.max_tokens) if spec
+               else generate_step(mx.array(ids), model, max_tokens=args.max_tokens))
+        for _ in gen:
+            n += 1
+        return (time.perf_counter() - tic) / n * 1e3
+
+    rows = {name: [] for name in methods}
+    mlx_lm = {"mlx-lm plain": [], **({"mlx-lm draft": []} if draft is not None else {})}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, make in methods.items():
+            got = ours(make)
+            if r:
+                rows[name].append(got)
+        for name in mlx_lm:
+            got = theirs(name == "mlx-lm draft")
+            if r:
+                mlx_lm[name].append(got)
+    print(f"{args.model}, {args.max_tokens} tokens, k {args.k}, {args.rounds} rounds (medians)")
+    for name, runs in rows.items():
+        step, host, tps = (_median([x[i] for x in runs]) for i in range(3))
+        print(f"{name:16s} {step:7.1f} ms/step  host {host:5.2f} ms ({host / step:5.1%})  {tps:6.2f} tok/s")
+    for name, runs in mlx_lm.items():
+        ms = _median(runs)
+        print(f"{name:16s} {ms:7.1f} ms/token                       {1e3 / ms:6.2f} tok/s")
+    return 0
+
+
+def gpu_like(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import llama
+
+    import mlx_spec
+    from mlx_spec.generate_cli import resolve_model
+
+    mx.random.seed(0)
+    margs = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=30, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                            vocab_size=49152, tie_word_embeddings=False)
+    model = llama.Model(margs)
+    mx.eval(model.parameters())
+    _, tok = mlx_spec.load(resolve_model("smollm2-135m-instruct"))  # a real 49152-token tokenizer
+    prompt = [5, 6, 7, 8] * 8
+    n = 200
+
+    def mlx_lm_plain():
+        tic, count = time.perf_counter(), 0
+        for _ in generate_step(mx.array(prompt), model, max_tokens=n):
+            count += 1
+        return (time.perf_counter() - tic) / count * 1e3
+
+    def ours(drafter):
+        out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n,
+                                            num_draft_tokens=args.k))
+        s = out[-1].stats
+        return s.step_seconds / s.target_forwards * 1e3, s.drafted / s.target_forwards
+
+    class AlwaysK(mlx_spec.NGramDrafter):
+        """Prompt lookup that always proposes k tokens (repeating y when the index has
+        nothing), so every step verifies k + 1 tokens: the step cost being measured."""
+
+        def propose(self, y, k, sampling):
+            draft = super().propose(y, k, sampling)
+            return draft if draft.size == k else mlx_spec.Draft(mx.full((k,), y, mx.uint32))
+
+    res = {"mlx-lm plain": [], "mlx-spec plain": [], f"mlx-spec ngram k={args.k}": []}
+    for r in range(args.rounds + 1):
+        ngram, drafted = ours(AlwaysK())
+        got = (mlx_lm_plain(), ours(None)[0], ngram)
+        if r:
+            for name, v in zip(res, got):
+                res[name].append(v)
+    base = _median(res["mlx-lm plain"])
+    print(f"(the n-gram steps verified {drafted:.1f} drafted tokens on average)")
+    print(f"GPU-like regime (30 x 64 llama, 49152 vocabulary), {n} tokens, {args.rounds} rounds (medians)")
+    for name, runs in res.items():
+        ms = _median(runs)
+        print(f"{name:20s} {ms:6.2f} ms/step  {ms / base:5.2f}x mlx-lm plain  "
+              f"(runs: {', '.join(f'{x:.1f}' for x in runs)})")
     return 0
 
 
