@@ -44,7 +44,10 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None  # None, "stop" (EOS) or "length" (max_tokens)
-    stats: SpecStats | None = None  # on the last response only
+    # The run's statistics so far: one object, updated in place as generation goes on and
+    # final on the last response; a caller that stops early (a stop string, a cancelled
+    # request) reads the figures of exactly the steps that ran.
+    stats: SpecStats | None = None
 
 
 def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
@@ -126,7 +129,7 @@ def _decode(model, tokenizer, req: Request, drafter, cache, keep_cache: bool):
                 _finish_stats(stats, emitted, tic)
                 yield Response(detok.last_segment, token, lp, from_draft, len(req.prompt),
                                stats.prompt_tps, emitted, stats.generation_tps, stats.peak_memory,
-                               finish, stats if finish else None)
+                               finish, stats)
                 if finish is not None:
                     return
             k, gain = lengths.choose()
