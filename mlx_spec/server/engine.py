@@ -215,11 +215,16 @@ class Engine:
 
     def start(self, warm_up: bool = True) -> Engine:
         """Start the engine thread; `warm_up` runs a first tiny generation (and the verify cost
-        calibration `num_draft_tokens="auto"` needs) before returning, so the first client
-        does not pay for it."""
-        if warm_up:
-            self._warm_up()
+        calibration `num_draft_tokens="auto"` needs) there before returning, so the first
+        client does not pay for it."""
+        _materialize(self.model, self.drafter)
+        self._warm = threading.Event()
+        self._warm_up_first = warm_up
         self._thread.start()
+        if not self._warm.wait(600):
+            raise RuntimeError("the engine did not finish its warm-up in 10 minutes")
+        if self._warm_error is not None:
+            raise self._warm_error
         return self
 
     def close(self, timeout: float = 30.0) -> None:
@@ -246,6 +251,15 @@ class Engine:
                 verify_seconds(self.drafter.model, n_max=1)
 
     def _loop(self) -> None:
+        self._warm_error = None
+        try:
+            if self._warm_up_first:
+                self._warm_up()
+        except Exception as e:  # reported by start(), on the caller's thread
+            self._warm_error = e
+            return
+        finally:
+            self._warm.set()
         while True:
             with self._cond:
                 while not self._waiting and not self._closing:
@@ -316,3 +330,36 @@ class Engine:
 
     def _piece(self, token: int) -> str:
         return self.tokenizer.decode([token])
+
+
+def _materialize(model, drafter) -> None:
+    """Evaluate the weights on the caller's thread: MLX streams belong to a thread, so a lazy
+    array made there (a weight edited after loading, a head's derived tensor) cannot be
+    evaluated on the engine's."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    found, seen = [], set()
+
+    def walk(obj, depth):
+        if id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, mx.array):
+            found.append(obj)
+        elif isinstance(obj, nn.Module):
+            found.append(obj.parameters())
+            walk(vars(obj), depth + 1)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 4:
+            walk(vars(obj), depth + 1)
+
+    walk(model, 0)
+    if drafter is not None:
+        walk(drafter, 0)
+    mx.eval(found)
