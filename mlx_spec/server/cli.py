@@ -60,15 +60,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: mlx-spec serve needs the server extra ({', '.join(missing)} not installed); "
               "in a checkout: `pip install -e '.[server]'`", file=sys.stderr)
         return 2
+    if args.host not in LOOPBACK and not args.api_key:
+        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
+              "machine can use the model; give --api-key KEY (or bind 127.0.0.1)", file=sys.stderr)
     if args.draft is not None and args.draft_model is not None:
         print("error: --draft and --draft-model are alternatives; give one", file=sys.stderr)
         return 2
     if args.max_queue < 0:
         print("error: --max-queue must be 0 or more", file=sys.stderr)
         return 2
-    if args.host not in LOOPBACK and not args.api_key:
-        print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
-              "machine can use the model; give --api-key KEY (or bind 127.0.0.1)", file=sys.stderr)
     try:
         return _serve(args)
     except (ValueError, FileNotFoundError) as e:
