@@ -421,3 +421,22 @@ def test_serve_warns_when_listening_beyond_this_machine_without_a_key_and_names_
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
     assert serve.run(args) == 2
     assert "pip install -e '.[server]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "recurrent"])
+def test_window_and_recurrent_targets_reuse_what_their_caches_can_restore(kind):
+    model = {"full": tiny.llama_model, "window": tiny.gemma3_model, "recurrent": tiny.qwen3_5_model}[kind]()
+    tok = word_tokenizer()
+    prompt = list(range(20, 40))  # 20 tokens: past the tiny Gemma's 8-position window
+    out = [r.token for r in mlx_spec.stream_generate(model, tok, prompt, None, max_tokens=8)]
+    longer, other = prompt + out + [50, 51, 52], prompt[:10] + [60, 61, 62, 63, 64]
+    with running_server(model, tok, mlx_spec.NGramDrafter(min_n=1), num_draft_tokens=3) as s:
+        c = client(s)
+        cached = []
+        for ids in (prompt, longer, other):
+            r = c.completions.create(model="test-model", prompt=ids, max_tokens=8, temperature=0)
+            assert r.choices[0].text == mlx_spec.generate(model, tok, ids, None, max_tokens=8)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[:2] == [0, len(prompt) + 8]  # a conversation that goes on: all of it
+    # another branch from the 10th token: attention caches trim back to it, recurrent state cannot
+    assert cached[2] == {"full": 10, "window": cached[2], "recurrent": 0}[kind] and cached[2] <= 10

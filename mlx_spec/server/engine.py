@@ -48,6 +48,10 @@ class QueueFull(Exception):
     pass
 
 
+class _Cancelled(Exception):
+    """Raised from the prefill's progress callback when the client has left."""
+
+
 @dataclass
 class Piece:
     """One generated token: the text it releases (after stop strings) and its log-probs."""
@@ -283,9 +287,17 @@ class Engine:
 
         cache, cached = self.store.fetch(job.prompt)
         drafter = self.drafter if job.use_drafter else None
-        gen = stream_generate(self.model, self.tokenizer, job.prompt[cached:], drafter,
-                              prompt_cache=cache, **job.options)
+
+        def progress(done: int, total: int) -> None:  # between prefill chunks
+            if job.cancelled.is_set():
+                raise _Cancelled
+
+        gen = stream_generate(self.model, self.tokenizer, job.prompt[cached:], drafter, prompt_cache=cache,
+                              prompt_progress_callback=progress, **job.options)
         cut, reason, last, n = StopCutter(job.stops), None, None, 0
+        if job.cancelled.is_set():  # the client left while the job was being taken
+            gen.close()
+            return self._cancelled(job, cache)
         try:
             for last in gen:
                 n += 1
@@ -300,6 +312,8 @@ class Engine:
                     reason = "cancelled"
                 if reason is not None:
                     break
+        except _Cancelled:  # during the prefill: the cache is as it was before this request
+            return self._cancelled(job, cache)
         finally:
             gen.close()  # the cache now holds the prompt and the n tokens handed out
         self.store.put(cache)
@@ -311,6 +325,12 @@ class Engine:
                       job.options.get("num_draft_tokens", "auto"), stats)
         self.metrics.request_done("cancelled" if reason == "cancelled" else "completed", usage)
         job.send(Finished(reason or "length", usage, cut.matched))
+
+    def _cancelled(self, job: Job, cache) -> None:
+        self.store.put(cache)
+        self.metrics.request_done("cancelled")
+        job.send(Finished("cancelled", Usage(len(job.prompt), 0, 0, 0.0, 0.0, None,
+                                             job.options.get("num_draft_tokens", "auto"))))
 
     def _logprob(self, r, top: int | None):
         """(token text, log-prob, top n) from the target's log-probabilities at this token."""
