@@ -19,6 +19,7 @@ COMMANDS = {
     "generate": ("mlx_spec.generate_cli", "generate text with speculative decoding"),
     "fetch-model": ("mlx_spec.zoo", "download and convert a pinned zoo model"),
     "bench": ("mlx_spec.bench", "measure speed-ups of every method side by side"),
+    "serve": ("mlx_spec.server.cli", "serve a model over OpenAI's and Anthropic's HTTP APIs"),
 }
 CONVERTERS = {
     "gguf": ("converters.gguf", "convert a GGUF file into an MLX model folder"),

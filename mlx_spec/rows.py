@@ -36,7 +36,10 @@ class Response:
     generation_tps: float
     peak_memory: float  # GB
     finish_reason: str | None = None  # None, "stop" (EOS) or "length" (max_tokens)
-    stats: SpecStats | None = None  # on the last response only
+    # The run's statistics so far: one object, updated in place as generation goes on and
+    # final on the last response; a caller that stops early (a stop string, a cancelled
+    # request) reads the figures of exactly the steps that ran.
+    stats: SpecStats | None = None
 
 
 class Row:
@@ -132,8 +135,7 @@ class Row:
             st.generation_tps = n / max(time.perf_counter() - self.tic, 1e-9)
             st.peak_memory = mx.get_peak_memory() / 1e9
             out.append(Response(self.detok.last_segment, token, lp, from_draft, len(self.req.prompt),
-                                st.prompt_tps, n, st.generation_tps, st.peak_memory, finish,
-                                st if finish else None))
+                                st.prompt_tps, n, st.generation_tps, st.peak_memory, finish, st))
             if finish is not None:
                 self.finish = finish
                 break

@@ -79,6 +79,21 @@ class SpecStats:
     def accepted_per_position(self) -> list[float]:
         return [a / d for a, d in zip(self._pos_accepted, self._pos_drafted)]
 
+    @property
+    def drafted_at_position(self) -> list[int]:
+        """How many verify steps drafted a token at each position (counts, not rates)."""
+        return list(self._pos_drafted)
+
+    @property
+    def accepted_at_position(self) -> list[int]:
+        """How many verify steps kept the draft at each position (vLLM's per-position count)."""
+        return list(self._pos_accepted)
+
+    @property
+    def drafts(self) -> int:
+        """Verify steps that drafted at least one token (vLLM's `num_drafts`)."""
+        return self._pos_drafted[0] if self._pos_drafted else 0
+
     def summary(self) -> str:
         return (
             f"prompt {self.prompt_tokens} tok @ {self.prompt_tps:.1f} tok/s | "

@@ -69,7 +69,7 @@ def test_every_response_carries_mlx_lm_fields_and_the_targets_logprobs():
         assert r.prompt_tokens == len(PROMPT) and r.generation_tokens == i + 1
         assert r.prompt_tps > 0 and r.generation_tps > 0 and r.peak_memory > 0
         np.testing.assert_allclose(np.array(r.logprobs), np.array(lp), rtol=1e-4, atol=1e-4)
-    assert all(r.stats is None for r in out[:-1]) and out[-1].stats.generation_tokens == 12
+    assert all(r.stats is out[-1].stats for r in out) and out[-1].stats.generation_tokens == 12
 
 
 def test_logits_processors_see_each_rows_own_history_so_output_stays_the_targets():

@@ -42,7 +42,9 @@ class Draft:
         return self.tokens.shape[0]
 
 
-EMPTY = Draft(mx.zeros((0,), mx.uint32))
+# Made from data, not `mx.zeros`: a lazy array belongs to the stream of the thread that made
+# it, and this one is used by whichever thread decodes (a server's engine thread).
+EMPTY = Draft(mx.array([], mx.uint32))
 
 
 class Drafter(Protocol):

@@ -1,0 +1,362 @@
+"""`mlx-spec serve` on tiny random targets, driven over real HTTP on 127.0.0.1 by the official
+`openai` and `anthropic` clients (and http.client where a connection must be cut).
+
+Output through the server is the target's own (equal to `mlx_spec.generate`) for every kind
+of drafter, streamed or not; cuts inside verified blocks are exact; log-probs are the
+target's; concurrent clients get their solo output; clients that leave stop their request;
+bad input gets the right status and shape; /metrics totals equal the per-request figures."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import anthropic
+import numpy as np
+import openai
+import pytest
+
+import mlx_spec
+import tiny
+from server_utils import (metrics, open_stream, post, read_events, request, running_server, send_only,
+                          sse_data, wait_for, word_tokenizer)
+from test_conversations import drafter_case
+
+MESSAGES = [{"role": "user", "content": "w5 w6 w7 w8 w9 w5 w6 w7 w21 w3"}]
+N = 24
+
+
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(c, stream=False, **kw):
+    """(text, final extra fields, the response or chunks) of one chat completion."""
+    kw = {"model": "test-model", "messages": MESSAGES, "max_tokens": N, "temperature": 0, **kw}
+    if not stream:
+        r = c.chat.completions.create(**kw)
+        return r.choices[0].message.content or "", r.model_extra | {"usage": r.usage}, r
+    chunks = list(c.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    return text, chunks[-1].model_extra | {"usage": chunks[-1].usage}, chunks
+
+
+def templated(tok, messages=MESSAGES):
+    return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+
+@pytest.fixture(scope="module")
+def ngram_server():
+    """The tiny llama with an n-gram drafter, k = 4: the server most tests share."""
+    model, make = drafter_case(None, "ngram")
+    with running_server(model, word_tokenizer(), make(), num_draft_tokens=4) as s:
+        s.model = model
+        yield s
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft-model", "dflash"])
+def test_output_is_the_targets_streamed_or_not_for_every_drafter_and_cuts_inside_blocks_are_exact(
+        tmp_path, kind):
+    model, make = drafter_case(tmp_path, kind)
+    tok = word_tokenizer()
+    ids = templated(tok)
+    want = mlx_spec.generate(model, tok, ids, None, max_tokens=N)
+    with running_server(model, tok, make(), num_draft_tokens=4) as s:
+        c = client(s)
+        for draft in ("none", kind):
+            plain, extra, _ = chat(c, extra_body={"draft": draft})
+            streamed, last, _ = chat(c, stream=True, extra_body={"draft": draft})
+            assert plain == streamed == want
+            assert last["usage"].prompt_tokens_details.cached_tokens > 0  # the same prompt again
+            for spec, timings in ((extra["speculative"], extra["timings"]), (last["speculative"], last["timings"])):
+                assert spec["drafter"] == draft and spec["target_forwards"] >= 1
+                assert (spec["accepted"] > 0) == (draft != "none")  # the drafter did run
+                assert ("draft_n" in timings) == (draft != "none")
+                assert timings["predicted_n"] == N
+
+        # Where a block keeps several drafts, a cold run's token i is from the draft with more after it.
+        out = list(mlx_spec.stream_generate(model, tok, ids, make(), max_tokens=N, num_draft_tokens=4))
+        texts = [r.text for r in out]
+        inside = [i for i in range(1, N - 1) if out[i].from_draft and texts[i].strip()
+                  and "".join(texts).find(texts[i]) == len("".join(texts[:i]))]
+        assert inside, "no kept draft to cut at"
+        i = inside[0]
+        for cut in ({"max_tokens": i + 1}, {"stop": [texts[i]]}):
+            s.engine.store.clear()  # a cold start: the blocks are those of the run above
+            text, extra, r = chat(c, **cut)
+            want_text = "".join(texts[: i + 1]) if "max_tokens" in cut else "".join(texts[:i])
+            assert text == want_text and extra["usage"].completion_tokens == i + 1
+            assert r.choices[0].finish_reason == ("length" if "max_tokens" in cut else "stop")
+            s.engine.store.clear()
+            streamed, last, chunks = chat(c, stream=True, **cut)
+            assert streamed == want_text and last["usage"].completion_tokens == i + 1
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+
+
+def test_logprobs_are_the_targets_never_the_drafters(tmp_path):
+    model, make = drafter_case(tmp_path, "draft-model")
+    tok = word_tokenizer()
+    want = list(mlx_spec.stream_generate(model, tok, templated(tok), None, max_tokens=12))
+    with running_server(model, tok, make(), num_draft_tokens=4) as s:
+        _, extra, r = chat(client(s), max_tokens=12, logprobs=True, top_logprobs=3)
+    assert extra["speculative"]["accepted"] > 0
+    entries = r.choices[0].logprobs.content
+    assert [e.token for e in entries] == [tok.decode([w.token]) for w in want]
+    got = np.array([e.logprob for e in entries])
+    np.testing.assert_allclose(got, [float(w.logprobs[w.token]) for w in want], atol=1e-4)
+    for e, w in zip(entries, want):
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the best
+        lp = np.array(w.logprobs)
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], np.sort(lp)[::-1][:3], atol=1e-4)
+
+
+def test_concurrent_clients_each_get_their_solo_output(ngram_server):
+    s, tok = ngram_server, ngram_server.engine.tokenizer
+    prompts = ["w5 w6 w7 w8 w9", "w91 w32 w65 w75 w60", "w40 w41 w42 w43", "w89 w70 w87 w55"]
+    want = [mlx_spec.generate(s.model, tok, templated(tok, [{"role": "user", "content": p}]), None,
+                              max_tokens=16) for p in prompts]
+    got = [None] * len(prompts)
+
+    def ask(i):
+        c = client(s)
+        got[i] = chat(c, stream=i % 2 == 1, max_tokens=16,
+                      messages=[{"role": "user", "content": prompts[i]}])[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert got == want
+
+
+def test_a_client_that_leaves_stops_its_request_and_the_next_is_served(ngram_server):
+    s = ngram_server
+    body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 3000, "temperature": 0}
+    before = metrics(s.port)
+    conn, resp = open_stream(s.port, "/v1/chat/completions", {**body, "stream": True})
+    assert resp.status == 200
+    read_events(resp, 3)  # the role, then generated text: it is decoding
+    conn.close()  # mid-stream
+    wait_for(lambda: metrics(s.port)["mlx_spec:requests_total{status=\"cancelled\"}"]
+             == before['mlx_spec:requests_total{status="cancelled"}'] + 1, what="the stream's cancel")
+    after = metrics(s.port)
+    assert after["mlx_spec:requests_running"] == 0
+    assert after["mlx_spec:generation_tokens_total"] - before["mlx_spec:generation_tokens_total"] < 3000
+
+    # Not streaming: the client is noticed leaving while it waits for the whole body.
+    conn = send_only(s.port, "/v1/chat/completions", body)
+    wait_for(lambda: s.engine.running == 1, what="the plain request to run")
+    time.sleep(0.2)
+    conn.close()
+    wait_for(lambda: metrics(s.port)['mlx_spec:requests_total{status="cancelled"}']
+             == before['mlx_spec:requests_total{status="cancelled"}'] + 2, what="the plain request's cancel")
+    tok = s.engine.tokenizer
+    assert chat(client(s))[0] == mlx_spec.generate(s.model, tok, templated(tok), None, max_tokens=N)
+
+
+def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_place(ngram_server):
+    s = ngram_server
+    s.engine.max_queue = 1
+    body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 3000}
+    try:
+        running, resp = open_stream(s.port, "/v1/chat/completions", {**body, "stream": True})
+        read_events(resp, 2)
+        waiting = send_only(s.port, "/v1/chat/completions", body)
+        wait_for(lambda: s.engine.waiting == 1, what="a waiting request")
+        status, error = post(s.port, "/v1/chat/completions", body)
+        assert status == 429 and error["error"]["type"] == "rate_limit_error"
+        assert "--max-queue 1" in error["error"]["message"]
+        waiting.close()
+        wait_for(lambda: s.engine.waiting == 0, timeout=5, what="the waiting request to leave")
+        assert s.engine.running == 1  # the first one decodes on
+        running.close()
+        wait_for(lambda: s.engine.running == 0, what="the running request to stop")
+    finally:
+        s.engine.max_queue = 16
+    assert metrics(s.port)['mlx_spec:requests_total{status="rejected"}'] >= 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "w5"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 2}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"num_draft_tokens": 17}, "num_draft_tokens"),
+    ({"draft": "eagle"}, "draft"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"5000": 1}}, "logit_bias"),
+])
+def test_invalid_fields_get_400_naming_the_field_before_any_model_work(ngram_server, body, param):
+    before = metrics(ngram_server.port)["mlx_spec:prompt_tokens_total"]
+    status, error = post(ngram_server.port, "/v1/chat/completions", {"messages": MESSAGES, **body})
+    assert status == 400 and error["error"]["param"] == param
+    assert error["error"]["type"] == "invalid_request_error" and error["error"]["message"]
+    assert metrics(ngram_server.port)["mlx_spec:prompt_tokens_total"] == before  # nothing ran
+
+
+def test_other_bad_requests_get_their_status_in_each_apis_shape(ngram_server):
+    port = ngram_server.port
+    status, error = post(port, "/v1/chat/completions", {"model": "gpt-4o", "messages": MESSAGES})
+    assert status == 404 and error["error"]["code"] == "model_not_found" and "test-model" in error["error"]["message"]
+    status, _, raw = request(port, "GET", "/v1/nowhere")
+    assert status == 404 and "/v1/chat/completions" in json.loads(raw)["error"]["message"]
+    status, _, raw = request(port, "GET", "/v1/chat/completions")
+    assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
+    status, _, raw = request(port, "POST", "/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(raw)["error"]["message"]
+    status, error = post(port, "/v1/messages", {"messages": MESSAGES})  # no max_tokens
+    assert status == 400 and error == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "'max_tokens' is required (an integer >= 1)"}}
+    status, error = post(port, "/v1/completions", {"prompt": "w5 w6", "echo": True})
+    assert status == 400 and error["error"]["param"] == "echo"
+    assert request(port, "GET", "/v1/models/test-model")[0] == 200
+    assert request(port, "GET", "/v1/models/other")[0] == 404
+
+
+def test_an_oversized_body_gets_413_and_a_failure_gets_500_without_a_traceback():
+    model, tok = tiny.llama_model(), word_tokenizer()
+    with running_server(model, tok, None, max_body_bytes=4096) as s:
+        status, error = post(s.port, "/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": "w5 " * 2000}]})
+        assert status == 413 and "4096" in error["error"]["message"]
+        status, error = post(s.port, "/v1/messages", {"max_tokens": 2, "messages": [
+            {"role": "user", "content": "w5 " * 2000}]})
+        assert status == 413 and error["error"]["type"] == "request_too_large"
+
+        def fail(job):
+            raise RuntimeError("secret internal detail")
+
+        s.engine._serve = fail  # any failure inside the engine
+        for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
+                           ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4})):
+            status, _, raw = request(s.port, "POST", path, body)
+            assert status == 500 and b"secret" not in raw and b"Traceback" not in raw
+            assert b"its log has the details" in raw
+        status, _, raw = request(s.port, "POST", "/v1/chat/completions", {"messages": MESSAGES, "stream": True})
+        assert status == 200 and b"secret" not in raw
+        assert sse_data(raw)[-1]["error"]["type"] == "server_error"
+        assert metrics(s.port)['mlx_spec:requests_total{status="failed"}'] == 3
+
+
+def test_metrics_totals_equal_the_sums_of_the_per_request_figures():
+    model, make = drafter_case(None, "ngram")
+    with running_server(model, word_tokenizer(), make(), num_draft_tokens=4) as s:
+        c, figures = client(s), []
+        for kw in ({}, {"stream": True}, {"extra_body": {"draft": "none"}}, {"stop": ["w91"]},
+                   {"extra_body": {"num_draft_tokens": "auto"}, "max_tokens": 40},
+                   {"messages": [{"role": "user", "content": "w40 w41 w42 w43"}]}):
+            figures.append(chat(c, **kw)[1])
+        m = metrics(s.port)
+    spec = [f["speculative"] for f in figures]
+    assert m["mlx_spec:spec_decode_num_drafts_total"] == sum(x["drafts"] for x in spec) > 0
+    assert m["mlx_spec:spec_decode_num_draft_tokens_total"] == sum(x["drafted"] for x in spec)
+    assert m["mlx_spec:spec_decode_num_accepted_tokens_total"] == sum(x["accepted"] for x in spec) > 0
+    width = max(len(x["accepted_at_position"]) for x in spec)
+    for i in range(width):
+        assert m[f'mlx_spec:spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}}'] == sum(
+            x["accepted_at_position"][i] for x in spec if i < len(x["accepted_at_position"]))
+    assert m["mlx_spec:generation_tokens_total"] == sum(f["usage"].completion_tokens for f in figures)
+    assert m["mlx_spec:prompt_tokens_total"] == sum(f["usage"].prompt_tokens for f in figures)
+    assert m["mlx_spec:prompt_tokens_cached_total"] == sum(
+        f["usage"].prompt_tokens_details.cached_tokens for f in figures) > 0
+    assert m['mlx_spec:requests_total{status="completed"}'] == len(figures)
+    assert m["mlx_spec:requests_running"] == m["mlx_spec:requests_waiting"] == 0
+
+
+def test_the_api_key_is_required_everywhere_but_health():
+    model, tok = tiny.llama_model(), word_tokenizer()
+    with running_server(model, tok, None, api_key="s3cret") as s:
+        body = {"messages": MESSAGES, "max_tokens": 2}
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "s3cre"}):
+            status, error = post(s.port, "/v1/chat/completions", body, headers)
+            assert status == 401 and error["error"]["type"] == "authentication_error"
+        status, error = post(s.port, "/v1/messages", {**body, "max_tokens": 2})
+        assert status == 401 and error["error"]["type"] == "authentication_error"
+        assert request(s.port, "GET", "/metrics")[0] == 401
+        assert request(s.port, "GET", "/health")[0] == 200
+        ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+        a = anthropic.Anthropic(base_url=s.url, api_key="s3cret", max_retries=0)
+        assert a.messages.create(model="test-model", max_tokens=2, messages=MESSAGES).usage.output_tokens == 2
+
+
+def routing_tokenizer(out: list[int]):
+    """Words of the tiny model's own output renamed into think and tool-call markers, so its
+    greedy text is `<think> w <\\think> <tool_call> w </tool_call>` and then EOS."""
+    names = {out[0]: "<think>", out[2]: "</think>", out[3]: "<tool_call>", out[5]: "</tool_call>"}
+    return word_tokenizer(eos=out[6], rename=names, tool_call_start="<tool_call>",
+                          tool_call_end="</tool_call>",
+                          tool_parser=lambda text, tools: {"name": tools[0]["function"]["name"],
+                                                           "arguments": {"words": text.split()}})
+
+
+def test_reasoning_and_tool_calls_are_routed_in_both_apis():
+    model = tiny.llama_model()
+    prompt = [{"role": "user", "content": "w91 w32 w65 w75 w60"}]
+    out = [r.token for r in mlx_spec.stream_generate(model, word_tokenizer(), templated(word_tokenizer(), prompt),
+                                                     None, max_tokens=7)]
+    assert len(set(out)) == 7
+    tok = routing_tokenizer(out)
+    assert tok.has_thinking and tok.has_tool_calling
+    raw = mlx_spec.generate(model, tok, templated(tok, prompt), None, max_tokens=20)
+    reasoning = raw.split("<think>")[1].split("</think>")[0]
+    words = raw.split("<tool_call>")[1].split("</tool_call>")[0].split()
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    with running_server(model, tok, mlx_spec.NGramDrafter(), num_draft_tokens=3) as s:
+        c = client(s)
+        r = c.chat.completions.create(model="test-model", messages=prompt, tools=tools, max_tokens=20)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and not (message.content or "").strip()
+        assert message.model_extra["reasoning"] == reasoning
+        call = message.tool_calls[0]
+        assert call.function.name == "lookup" and json.loads(call.function.arguments) == {"words": words}
+        chunks = list(c.chat.completions.create(model="test-model", messages=prompt, tools=tools,
+                                                max_tokens=20, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks]
+        assert "".join(d.model_extra.get("reasoning") or "" for d in deltas) == reasoning
+        streamed = [t for d in deltas for t in d.tool_calls or []]
+        assert [json.loads(t.function.arguments) for t in streamed] == [{"words": words}]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+        a = anthropic.Anthropic(base_url=s.url, api_key="unused", max_retries=0)
+        atools = [{"name": "lookup", "input_schema": {"type": "object"}}]
+        m = a.messages.create(model="test-model", max_tokens=20, messages=prompt, tools=atools, extra_body={"temperature": 0})
+        kinds = [b.type for b in m.content if b.type != "text" or b.text.strip()]
+        assert kinds == ["thinking", "tool_use"] and m.stop_reason == "tool_use"
+        assert m.content[0].thinking == reasoning and m.content[-1].input == {"words": words}
+        with a.messages.stream(model="test-model", max_tokens=20, messages=prompt, tools=atools,
+                               extra_body={"temperature": 0}) as stream:
+            events = [e.type for e in stream]
+            final = stream.get_final_message()
+        assert events[0] == "message_start" and events[-1] == "message_stop"
+        assert [b.type for b in final.content] == [b.type for b in m.content]
+        assert final.content[-1].input == {"words": words} and final.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "recurrent"])
+def test_window_and_recurrent_targets_reuse_what_their_caches_can_restore(kind):
+    model = {"full": tiny.llama_model, "window": tiny.gemma3_model, "recurrent": tiny.qwen3_5_model}[kind]()
+    tok = word_tokenizer()
+    prompt = list(range(20, 40))  # 20 tokens: past the tiny Gemma's 8-position window
+    out = [r.token for r in mlx_spec.stream_generate(model, tok, prompt, None, max_tokens=8)]
+    longer, other = prompt + out + [50, 51, 52], prompt[:10] + [60, 61, 62, 63, 64]
+    with running_server(model, tok, mlx_spec.NGramDrafter(min_n=1), num_draft_tokens=3) as s:
+        c = client(s)
+        cached = []
+        for ids in (prompt, longer, other):
+            r = c.completions.create(model="test-model", prompt=ids, max_tokens=8, temperature=0)
+            assert r.choices[0].text == mlx_spec.generate(model, tok, ids, None, max_tokens=8)
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[:2] == [0, len(prompt) + 8]  # a conversation that goes on: all of it
+    # another branch from the 10th token: attention caches trim back to it, recurrent state cannot
+    assert cached[2] == {"full": 10, "window": cached[2], "recurrent": 0}[kind] and cached[2] <= 10
