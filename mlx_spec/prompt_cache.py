@@ -37,10 +37,16 @@ class History:
     state: Any = None  # that drafter's `save_state()` over `tokens`, or None
 
     def state_for(self, drafter):
-        """The saved state if it is `drafter`'s, else None."""
+        """The saved state if it is `drafter`'s (or a fork of the same drafter's), else None."""
         if self.state is None or drafter is None or self.drafter is None:
             return None
-        return self.state if self.drafter() is drafter else None
+        return self.state if self.drafter() is origin(drafter) else None
+
+
+def origin(drafter):
+    """The drafter a fork was made from (itself when it is not a fork): forks share state."""
+    parent = getattr(drafter, "forked_from", None)
+    return (parent() if parent is not None else None) or drafter
 
 
 # A prompt cache's first layer -> [History]. Keyed by the layer because a plain list
@@ -116,7 +122,7 @@ def settle(cache: list, held, drafter, later, seen: int, last: int, taps) -> Non
             state = drafter.save_state()
         except Exception:  # a drafter that failed mid-generation: keep no state
             state = None
-    record(cache, History(tuple(held), weakref.ref(drafter) if state is not None else None, state))
+    record(cache, History(tuple(held), weakref.ref(origin(drafter)) if state is not None else None, state))
 
 
 def cache_nbytes(cache: list) -> int:

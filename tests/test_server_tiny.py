@@ -111,8 +111,11 @@ def test_logprobs_are_the_targets_never_the_drafters(tmp_path):
         np.testing.assert_allclose([t.logprob for t in e.top_logprobs], np.sort(lp)[::-1][:3], atol=1e-4)
 
 
-def test_concurrent_clients_each_get_their_solo_output(ngram_server):
+def test_concurrent_clients_decode_together_and_each_gets_its_solo_output(ngram_server):
     s, tok = ngram_server, ngram_server.engine.tokenizer
+    batched = lambda: sum(v for k, v in metrics(s.port).items()  # noqa: E731
+                          if k.startswith("mlx_spec:decode_steps_total") and 'rows="1"' not in k)
+    before = batched()
     prompts = ["w5 w6 w7 w8 w9", "w91 w32 w65 w75 w60", "w40 w41 w42 w43", "w89 w70 w87 w55"]
     want = [mlx_spec.generate(s.model, tok, templated(tok, [{"role": "user", "content": p}]), None,
                               max_tokens=16) for p in prompts]
@@ -129,6 +132,7 @@ def test_concurrent_clients_each_get_their_solo_output(ngram_server):
     for t in threads:
         t.join(60)
     assert got == want
+    assert batched() > before  # some steps verified several requests in one forward
 
 
 def test_a_client_that_leaves_stops_its_request_and_the_next_is_served(ngram_server):
@@ -158,7 +162,7 @@ def test_a_client_that_leaves_stops_its_request_and_the_next_is_served(ngram_ser
 
 def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_place(ngram_server):
     s = ngram_server
-    s.engine.max_queue = 1
+    s.engine.max_queue, s.engine.max_batch = 1, 1  # one decodes, one waits, a third is refused
     body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 3000}
     try:
         running, resp = open_stream(s.port, "/v1/chat/completions", {**body, "stream": True})
@@ -174,7 +178,7 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
         running.close()
         wait_for(lambda: s.engine.running == 0, what="the running request to stop")
     finally:
-        s.engine.max_queue = 16
+        s.engine.max_queue, s.engine.max_batch = 16, 4
     assert metrics(s.port)['mlx_spec:requests_total{status="rejected"}'] >= 1
 
 
@@ -231,10 +235,10 @@ def test_an_oversized_body_gets_413_and_a_failure_gets_500_without_a_traceback()
             {"role": "user", "content": "w5 " * 2000}]})
         assert status == 413 and error["error"]["type"] == "request_too_large"
 
-        def fail(job):
+        def fail():
             raise RuntimeError("secret internal detail")
 
-        s.engine._serve = fail  # any failure inside the engine
+        s.engine.decoder.step = fail  # any failure inside a decode step
         for path, body in (("/v1/chat/completions", {"messages": MESSAGES}),
                            ("/v1/messages", {"messages": MESSAGES, "max_tokens": 4})):
             status, _, raw = request(s.port, "POST", path, body)

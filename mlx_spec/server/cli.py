@@ -33,8 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
+    p.add_argument("--max-batch", type=int, default=4,
+                   help="requests decoded together, verified in one forward (default: 4; 1: one "
+                   "at a time)")
     p.add_argument("--max-queue", type=int, default=16,
-                   help="requests that may wait while one decodes; more get 429 (default: 16)")
+                   help="requests that may wait while others decode; more get 429 (default: 16)")
     p.add_argument("--prompt-cache-bytes", type=_size, default=1 << 30,
                    help="memory for cached conversations, e.g. 512M or 4G; 0 turns the cache off "
                    "(default: 1G)")
@@ -69,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_queue < 0:
         print("error: --max-queue must be 0 or more", file=sys.stderr)
         return 2
+    if args.max_batch < 1:
+        print("error: --max-batch must be 1 or more", file=sys.stderr)
+        return 2
     try:
         return _serve(args)
     except (ValueError, FileNotFoundError) as e:
@@ -93,7 +99,8 @@ def _serve(args) -> int:
     model, tokenizer = mlx_spec.load(model_path)
     drafter = make_drafter(args, model, model_path)
     engine = Engine(model, tokenizer, drafter, model_id=args.model, num_draft_tokens=args.num_draft_tokens,
-                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes).start()
+                    max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
+                    max_batch=args.max_batch).start()
     host = f"[{args.host}]" if ":" in args.host else args.host
 
     def ready(port: int) -> None:

@@ -156,11 +156,26 @@ class Job:
         return await self.events.get()
 
 
+@dataclass
+class Run:
+    """A job the decoder is working on."""
+
+    job: Job
+    cache: list
+    cached: int  # prompt tokens served from the prompt cache
+    drafter: object  # this job's fork of the server's drafter, or None
+    cut: StopCutter
+    n: int = 0  # tokens handed out
+    last: object = None  # the last Response
+
+
 class Engine:
-    """Serves jobs one at a time on its own thread, with a prompt cache across requests."""
+    """Serves jobs on its own thread, up to `max_batch` decoding together, with a prompt
+    cache across requests."""
 
     def __init__(self, model, tokenizer, drafter=None, *, model_id: str = "model",
-                 num_draft_tokens="auto", max_queue: int = 16, prompt_cache_bytes: int = 1 << 30):
+                 num_draft_tokens="auto", max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
+                 max_batch: int = 4):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         from ..drafters.base import vocab_size
@@ -173,13 +188,15 @@ class Engine:
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
         self.model_id, self.drafter_kind = model_id, drafter_kind(drafter)
         self.num_draft_tokens, self.max_queue = num_draft_tokens, max_queue
+        # A drafter that cannot fork serves one request at a time.
+        self.max_batch = max_batch if drafter is None or hasattr(drafter, "fork") else 1
         self.vocab_size, self.context_length = vocab_size(model), context_length(model)
         self.machine = make_machine(tokenizer)
         self.store = PromptCacheStore(model, prompt_cache_bytes)
         self.metrics = Metrics()
         self.created = int(time.time())
         self._waiting: deque[Job] = deque()
-        self._running: Job | None = None
+        self._runs: dict[int, Run] = {}  # decoder uid -> run (engine thread only)
         self._cond = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="mlx-spec-engine", daemon=True)
@@ -192,7 +209,7 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return int(self._running is not None)
+        return len(self._runs)
 
     def submit(self, job: Job) -> None:
         with self._cond:
@@ -235,7 +252,7 @@ class Engine:
         """Cancel every job and stop the engine thread."""
         with self._cond:
             self._closing = True
-            jobs = list(self._waiting) + ([self._running] if self._running else [])
+            jobs = list(self._waiting) + [r.job for r in list(self._runs.values())]
             self._cond.notify_all()
         for job in jobs:
             self.cancel(job)
@@ -264,73 +281,97 @@ class Engine:
             return
         finally:
             self._warm.set()
+        from ..batch import BatchDecoder
+
+        self.decoder = BatchDecoder(self.model, self.tokenizer, max_batch=self.max_batch)
         while True:
             with self._cond:
-                while not self._waiting and not self._closing:
+                while not self._waiting and not self._runs and not self._closing:
                     self._cond.wait()
                 if self._closing:
+                    for uid in list(self._runs):
+                        self._end(uid, "cancelled")
                     return
-                job = self._running = self._waiting.popleft()
-            try:
-                self._serve(job)
-            except BaseException as e:  # never let one request end the engine
-                log.exception("request %s failed", job.id)
-                self.metrics.request_done("failed")
-                job.send(Failed(e))
-            finally:
-                with self._cond:
-                    self._running = None
-                job.done = True
+                while self._waiting and len(self._runs) < self.max_batch:
+                    self._admit(self._waiting.popleft())
+            self._step()
 
-    def _serve(self, job: Job) -> None:
-        from ..decode import stream_generate
-
+    def _admit(self, job: Job) -> None:
+        """A queued job becomes a row of the decoder (prompt cache fetched, drafter forked)."""
         cache, cached = self.store.fetch(job.prompt)
-        drafter = self.drafter if job.use_drafter else None
+        drafter = None
+        if job.use_drafter and self.drafter is not None:  # its own state, the server drafter's weights
+            drafter = self.drafter.fork() if hasattr(self.drafter, "fork") else self.drafter
 
         def progress(done: int, total: int) -> None:  # between prefill chunks
             if job.cancelled.is_set():
-                raise _Cancelled
+                raise _Cancelled(job)
 
-        gen = stream_generate(self.model, self.tokenizer, job.prompt[cached:], drafter, prompt_cache=cache,
-                              prompt_progress_callback=progress, **job.options)
-        cut, reason, last, n = StopCutter(job.stops), None, None, 0
-        if job.cancelled.is_set():  # the client left while the job was being taken
-            gen.close()
-            return self._cancelled(job, cache)
         try:
-            for last in gen:
-                n += 1
-                text = cut.feed(last.text)
-                if cut.matched is not None:
-                    reason = "stop"
-                elif last.finish_reason is not None:
-                    reason = last.finish_reason
-                    text += cut.flush()
-                job.send(Piece(text, last.token, self._logprob(last, job.logprobs)))
-                if reason is None and job.cancelled.is_set():
+            uid = self.decoder.add(job.prompt[cached:], drafter, prompt_cache=cache,
+                                   prompt_progress_callback=progress, **job.options)
+        except BaseException as e:
+            self.store.put(cache)
+            self.metrics.request_done("failed")
+            job.done = True
+            job.send(Failed(e))
+            return
+        self._runs[uid] = Run(job, cache, cached, drafter, StopCutter(job.stops))
+
+    def _step(self) -> None:
+        try:
+            events = self.decoder.step()
+        except _Cancelled as c:  # a client left during its prefill: its cache is as before
+            uid = next(u for u, r in self._runs.items() if r.job is c.args[0])
+            return self._end(uid, "cancelled")
+        except BaseException as e:  # never let one request end the engine
+            log.exception("a decode step failed")
+            for uid in list(self._runs):
+                self._end(uid, "failed", e)
+            return
+        if self.decoder.width:
+            self.metrics.batch_step(self.decoder.width)
+        for uid, block in events:
+            run = self._runs[uid]
+            for seen, r in enumerate(block, 1):
+                run.n, run.last = run.n + 1, r
+                text = run.cut.feed(r.text)
+                reason = "stop" if run.cut.matched is not None else r.finish_reason
+                if r.finish_reason is not None and run.cut.matched is None:
+                    text += run.cut.flush()
+                run.job.send(Piece(text, r.token, self._logprob(r, run.job.logprobs)))
+                if reason is None and run.job.cancelled.is_set():
                     reason = "cancelled"
                 if reason is not None:
+                    self._end(uid, reason, seen=seen)
                     break
-        except _Cancelled:  # during the prefill: the cache is as it was before this request
-            return self._cancelled(job, cache)
-        finally:
-            gen.close()  # the cache now holds the prompt and the n tokens handed out
-        self.store.put(cache)
-        stats = last.stats if last is not None else None
-        usage = Usage(len(job.prompt), cached, n,
-                      (len(job.prompt) - cached) / stats.prompt_tps if stats and stats.prompt_tps else 0.0,
-                      n / stats.generation_tps if stats and stats.generation_tps else 0.0,
-                      self.drafter_kind if drafter is not None else None,
-                      job.options.get("num_draft_tokens", "auto"), stats)
-        self.metrics.request_done("cancelled" if reason == "cancelled" else "completed", usage)
-        job.send(Finished(reason or "length", usage, cut.matched))
+        for uid, run in list(self._runs.items()):  # cancelled while waiting for its prefill
+            if run.job.cancelled.is_set() and run.n == 0:
+                self._end(uid, "cancelled")
 
-    def _cancelled(self, job: Job, cache) -> None:
-        self.store.put(cache)
-        self.metrics.request_done("cancelled")
-        job.send(Finished("cancelled", Usage(len(job.prompt), 0, 0, 0.0, 0.0, None,
-                                             job.options.get("num_draft_tokens", "auto"))))
+    def _end(self, uid: int, reason: str, error: BaseException | None = None, seen: int | None = None) -> None:
+        """Release the row (its cache holds the prompt and the tokens handed out; it goes back to
+        the store), count the request and tell its client."""
+        run = self._runs.pop(uid)
+        try:
+            self.decoder.release(uid, seen)
+        except BaseException as e:
+            error = error or e
+        self.store.put(run.cache)
+        run.job.done = True
+        if error is not None:
+            self.metrics.request_done("failed")
+            run.job.send(Failed(error))
+            return
+        job, stats = run.job, run.last.stats if run.last is not None else None
+        usage = Usage(len(job.prompt), run.cached, run.n,
+                      (len(job.prompt) - run.cached) / stats.prompt_tps if stats and stats.prompt_tps else 0.0,
+                      run.n / stats.generation_tps if stats and stats.generation_tps else 0.0,
+                      self.drafter_kind if run.drafter is not None else None,
+                      job.options.get("num_draft_tokens", "auto"), stats)
+        self.metrics.request_done("cancelled" if reason == "cancelled" else "completed",
+                                  usage if reason != "cancelled" or run.n else None)
+        job.send(Finished(reason, usage, run.cut.matched))
 
     def _logprob(self, r, top: int | None):
         """(token text, log-prob, top n) from the target's log-probabilities at this token."""

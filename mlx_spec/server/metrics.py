@@ -27,6 +27,7 @@ class Metrics:
         self.prompt_tokens = self.cached_tokens = self.generation_tokens = 0
         self.drafts = self.draft_tokens = self.accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
+        self.batch_steps: Counter = Counter()  # decode steps by the number of rows verified
 
     def request_done(self, status: str, usage=None) -> None:
         with self._lock:
@@ -46,6 +47,10 @@ class Metrics:
             self.accepted_per_pos += [0] * (len(per_pos) - len(self.accepted_per_pos))
             for i, a in enumerate(per_pos):
                 self.accepted_per_pos[i] += a
+
+    def batch_step(self, rows: int) -> None:
+        with self._lock:
+            self.batch_steps[rows] += 1
 
     def render(self, running: int, waiting: int, model_id: str) -> str:
         with self._lock:
@@ -76,6 +81,9 @@ class Metrics:
                    one(self.generation_tokens))
             metric("requests_total", "counter", "Requests by how they ended.",
                    [(f'{{{model},status="{s}"}}', self.requests[s]) for s in STATUSES])
+            metric("decode_steps_total", "counter", "Decode steps by the number of requests "
+                   "verified together in one forward (the batch size distribution).",
+                   [(f'{{{model},rows="{b}"}}', c) for b, c in sorted(self.batch_steps.items())])
             metric("requests_running", "gauge", "Requests being decoded.", one(running))
             metric("requests_waiting", "gauge", "Requests waiting in the queue.", one(waiting))
             return "\n".join(out) + "\n"
