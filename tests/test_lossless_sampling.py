@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mlx_spec
-import mlx_spec.decode as engine
+import mlx_spec.acceptance as acceptance
 import tiny
 from mlx_spec import DraftModelDrafter, NGramDrafter
 from mlx_spec.sampling import Sampling
@@ -85,6 +85,6 @@ def test_the_same_check_rejects_a_wrong_acceptance_rule(monkeypatch):
     model = make_target()
     kw = SETTINGS[0]
     exact = exact_marginals(model, Sampling(**kw), PROMPT)
-    monkeypatch.setattr(engine, "accept", resample_from_p)
+    monkeypatch.setattr(acceptance, "accept", resample_from_p)  # what verify.py calls
     counts = sample_counts(model, DRAFTERS["poor-draft-model"], kw)
     assert min(chi2_pvalue(counts[j], exact[j]) for j in range(1, 3)) < 1e-4
