@@ -69,6 +69,31 @@ def decoder_stack(model) -> nn.Module:
     )
 
 
+def in_pieces(model, calls) -> list:
+    """Run one forward of `model` made of several calls (pieces of the sequence, in
+    order), so that recorders hold the whole forward: each recorded input/output is the
+    concatenation, along the sequence axis, of what the pieces recorded. For targets
+    whose forward splits a block (`mlx_spec.targets.deepseek_v4`). Returns the calls' results."""
+    stack = decoder_stack(model)
+    recs = [m for m in [*stack.layers, getattr(stack, "norm", None)] if isinstance(m, _Recorder)]
+    seen = {id(r): ([], []) for r in recs}
+    results = []
+    for call in calls:
+        results.append(call())
+        for r in recs:
+            if r.keep_input:
+                seen[id(r)][0].append(r.seen.inp)
+            if r.keep_output:
+                seen[id(r)][1].append(r.seen.out)
+    for r in recs:
+        inp, out = seen[id(r)]
+        if inp:
+            r.seen.inp = mx.concatenate(inp, axis=1)
+        if out:
+            r.seen.out = mx.concatenate(out, axis=1)
+    return results
+
+
 class Taps:
     """Install recorders for `ids` on `model`; `read()` returns {id: [T, H]}."""
 
