@@ -43,12 +43,23 @@ class V4DSparkDrafter(SparkChain, SavesState):
         self.net, self.heads, self.spark = net, net, spark
         self.layer_ids = tuple(int(l) for l in layer_ids)
         self.taps = tap_ids(self.layer_ids, net.variant)
-        self.block_size, self.noise_token_id = block_size, noise_token_id
-        self.max_draft = min(block_size, MAX_DRAFT)
+        self.noise_token_id = noise_token_id
+        self.set_block(block_size)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = StageContext(net, window)
         self._embed = self._head = None
+
+    def set_block(self, rows: int) -> None:
+        """Propose from blocks of `rows` rows `[y, noise x (rows-1)]`: up to `rows` drafts.
+
+        The stages were trained on `dspark_block_size` rows; vLLM's
+        `"num_speculative_tokens": N` runs N rows whatever that size (the V4-Flash-0731
+        model card uses N = 7 with a block size of 5), and so does this."""
+        if not 1 <= int(rows) <= MAX_DRAFT:
+            raise ValueError(f"a DSpark block has 1..{MAX_DRAFT} rows, got {rows}")
+        self.block_size = int(rows)
+        self.max_draft = self.block_size
 
     def bind(self, model, tokenizer) -> None:
         # dspark_target_layer_ids are decoder layers (their input for V4.1), so check those
