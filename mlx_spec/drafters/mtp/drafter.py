@@ -40,7 +40,7 @@ class MTPDrafter(SavesState):
         self._reset()
 
     def _reset(self) -> None:
-        self.cache = [KVCache()]
+        self.cache = [self.head.make_cache() if hasattr(self.head, "make_cache") else KVCache()]
         self._hidden: list[mx.array] = []  # [n_i, H] blocks of target hidden states not fed yet
         self._tokens: list[int] = []
         self._drafted = 0  # positions the last proposal appended past the committed ones

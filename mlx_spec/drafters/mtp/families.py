@@ -51,6 +51,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_moe": Family("qwen", embed_first=True, mask_first_position=False),
     "qwen3_next": Family("qwen", embed_first=True, mask_first_position=False),
     "mimo": Family("mimo", embed_first=False, mask_first_position=True),
+    # DeepSeek-V4-Flash base: e_proj(e) + h_proj(h) per stream (`deepseek_v4.py` here)
+    "deepseek_v4": Family("deepseek_v4", embed_first=True, mask_first_position=False),
 }
 
 # Checkpoint key (after the module's prefix) -> head key; None drops on purpose.
@@ -118,7 +120,7 @@ def module_prefix(family: str, config: dict) -> str:
     layout = FAMILIES[family].layout
     if layout == "deepseek":
         return f"model.layers.{text_config(config)['num_hidden_layers']}."
-    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0."}[layout]
+    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0.", "deepseek_v4": "mtp.0."}[layout]
 
 
 # ---- reading only what is needed from the safetensors -----------------------
@@ -191,6 +193,10 @@ def apply_table(weights: dict, table: list[tuple[str, str | None]], where: str) 
 def to_head_weights(family: str, config: dict, raw: dict, shift: bool) -> dict:
     """Checkpoint tensors of one MTP module (prefix removed) -> head weights, MLX layout."""
     layout = FAMILIES[family].layout
+    if layout == "deepseek_v4":
+        from .deepseek_v4 import head_weights
+
+        return head_weights(config, raw)
     if layout == "deepseek":
         raw = _through_target_sanitize(family, config, raw)
     weights = apply_table(raw, TABLES[layout], f"{family} MTP module")
@@ -246,6 +252,10 @@ def text_args(family: str, config: dict | None = None, model=None):
         from mlx_lm.models import qwen3_5
 
         return qwen3_5.TextModelArgs.from_dict(text_config(config))
+    if family == "deepseek_v4":  # mlx-vlm's (mlx_spec.targets.deepseek_v4)
+        from ...targets.deepseek_v4 import _vlm
+
+        return _vlm()[0].ModelConfig.from_dict({**text_config(config), "vision_n_layers": 0})
     return importlib.import_module(f"mlx_lm.models.{family}").ModelArgs.from_dict(config)
 
 

@@ -46,6 +46,9 @@ class MTPConfig:
             raise ValueError(f"MTP family {self.family!r} unknown; supported: {sorted(FAMILIES)}")
         if self.hidden_state not in HIDDEN_STATES:
             raise ValueError(f"hidden_state must be one of {HIDDEN_STATES}, got {self.hidden_state!r}")
+        if self.family == "deepseek_v4" and self.hidden_state != "last_layer":
+            raise ValueError("a DeepSeek-V4 MTP block reads the trunk's last-layer streams: "
+                             "hidden_state must be 'last_layer'")
 
     @classmethod
     def from_dict(cls, d: dict) -> "MTPConfig":
@@ -88,6 +91,15 @@ class MTPHead(nn.Module):
         g = self.norm(o)
         logits = (self.head if "head" in self else lm_head)(g)
         return logits[0], o[0], g[0]
+
+
+def make_head(cfg: MTPConfig, args) -> nn.Module:
+    """A fresh head for `cfg.family` (DeepSeek-V4's block has its own class)."""
+    if cfg.family == "deepseek_v4":
+        from .deepseek_v4 import V4MTPHead
+
+        return V4MTPHead(cfg, args)
+    return MTPHead(cfg, args)
 
 
 def quantize_head(head: MTPHead, group_size: int, bits: int, only: set[str] | None = None) -> None:
