@@ -52,6 +52,24 @@ CONFIGS = {
         first_k_dense_replace=61, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=None, attention_bias=False, num_nextn_predict_layers=1,
         tie_word_embeddings=False),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (kv_b_proj) in GLM's MoE, the MTP module at layer N.
+    "glm4_moe_lite": lambda v: dict(
+        model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], vocab_size=v,
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+        routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=2, moe_layer_freq=1,
+        first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, attention_bias=False, partial_rotary_factor=1.0,
+        tie_word_embeddings=False, num_nextn_predict_layers=1),
+    # DeepSeek-V3.2 and GLM-5 (DSA): MLA plus the lightning indexer. index_topk exceeds every
+    # test sequence, so attention stays dense (the indexer only runs and caches its keys).
+    "deepseek_v32": lambda v: {**_DSA(v), "model_type": "deepseek_v32",
+                               "architectures": ["DeepseekV32ForCausalLM"]},
+    "glm_moe_dsa": lambda v: {**_DSA(v), "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+                              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                              "indexer_rope_interleave": True},
     "glm4_moe": lambda v: dict(
         model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=v, hidden_size=64,
         intermediate_size=128, max_position_embeddings=4096, moe_intermediate_size=32,
@@ -77,6 +95,21 @@ CONFIGS = {
         vocab_size=v, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
         num_nextn_predict_layers=1),
 }
+
+
+def _DSA(v):
+    return dict(vocab_size=v, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.5, kv_lora_rank=16,
+                q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, n_group=1,
+                topk_group=1, num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                rope_scaling=None, attention_bias=False, index_head_dim=16, index_n_heads=2,
+                index_topk=512, num_nextn_predict_layers=1, tie_word_embeddings=False)
+
+
+MLA = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")  # kv_b_proj attention
 
 
 def text(config: dict) -> dict:
@@ -122,13 +155,13 @@ def _to_hf(family: str, config: dict, params: dict) -> dict:
                 w = w.moveaxis(2, 1)  # [C, K, 1] -> [C, 1, K]
             k = k.replace("language_model.model.", "model.language_model.").replace(
                 "language_model.lm_head.", "lm_head.")
-        if family == "deepseek_v3" and k.endswith("self_attn.embed_q.weight"):
+        if family in MLA and k.endswith("self_attn.embed_q.weight"):
             t = text(config)
             wv = params[k.replace("embed_q", "unembed_out")]
             kv_b = mx.concatenate([w.swapaxes(-1, -2), wv], axis=1)  # [nh, nope + v, kv_lora]
             out[k.replace("embed_q", "kv_b_proj")] = kv_b.reshape(-1, t["kv_lora_rank"])
             continue
-        if family == "deepseek_v3" and k.endswith("self_attn.unembed_out.weight"):
+        if family in MLA and k.endswith("self_attn.unembed_out.weight"):
             continue
         out[k] = w
     return out
@@ -141,7 +174,7 @@ def _block_shapes(family: str, t: dict) -> dict:
     nh, nkv = t["num_attention_heads"], t["num_key_value_heads"]
     d = t.get("head_dim") or H // nh
     s = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
-    if family == "deepseek_v3":
+    if family in MLA:
         qd = t["qk_nope_head_dim"] + t["qk_rope_head_dim"]
         s.update({
             "self_attn.q_a_proj.weight": (t["q_lora_rank"], H),
@@ -152,6 +185,11 @@ def _block_shapes(family: str, t: dict) -> dict:
             "self_attn.kv_b_proj.weight": (nh * (t["qk_nope_head_dim"] + t["v_head_dim"]), t["kv_lora_rank"]),
             "self_attn.o_proj.weight": (H, nh * t["v_head_dim"]),
         })
+        if "index_topk" in t:  # the DSA lightning indexer
+            ih, idim = t["index_n_heads"], t["index_head_dim"]
+            s.update({"self_attn.indexer.wq_b.weight": (ih * idim, t["q_lora_rank"]),
+                      "self_attn.indexer.wk.weight": (idim, H), "self_attn.indexer.k_norm.weight": (idim,),
+                      "self_attn.indexer.k_norm.bias": (idim,), "self_attn.indexer.weights_proj.weight": (ih, H)})
     else:
         q_out = 2 * nh * d if family in QWEN else nh * d  # Qwen: query + output gate
         s.update({"self_attn.q_proj.weight": (q_out, H), "self_attn.k_proj.weight": (nkv * d, H),

@@ -116,14 +116,17 @@ def qwen3_5_block(W, t, x, pos):
     return x + ffn(W, t, rms(x, W["post_attention_layernorm.weight"], eps, offset=True))
 
 
-def deepseek_v3_block(W, t, x, pos):
+def deepseek_v3_block(W, t, x, pos, lora_eps=1e-6):
+    """MLA + MoE. DeepSeek-V3/V3.2 and GLM-5 norm the LoRA latents with eps 1e-6, GLM-4.7-Flash
+    with rms_norm_eps. DSA's indexer picks keys only past index_topk: dense here."""
     T, nh, eps = x.shape[0], t["num_attention_heads"], t["rms_norm_eps"]
     nope, rd, vd, kvl = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"], t["kv_lora_rank"]
+    assert T <= t.get("index_topk", T), "the reference has no sparse DSA selection"
     h = rms(x, W["input_layernorm.weight"], eps)
-    q = rms(h @ W["self_attn.q_a_proj.weight"].T, W["self_attn.q_a_layernorm.weight"], 1e-6)
+    q = rms(h @ W["self_attn.q_a_proj.weight"].T, W["self_attn.q_a_layernorm.weight"], lora_eps)
     q = (q @ W["self_attn.q_b_proj.weight"].T).reshape(T, nh, nope + rd)
     kv = h @ W["self_attn.kv_a_proj_with_mqa.weight"].T
-    latent = rms(kv[:, :kvl], W["self_attn.kv_a_layernorm.weight"], 1e-6)
+    latent = rms(kv[:, :kvl], W["self_attn.kv_a_layernorm.weight"], lora_eps)
     k_pe = rope(kv[:, None, kvl:], pos, rd, t["rope_theta"], True)  # one rope key shared by heads
     kvb = (latent @ W["self_attn.kv_b_proj.weight"].T).reshape(T, nh, nope + vd)
     q = np.concatenate([q[..., :nope], rope(q[..., nope:], pos, rd, t["rope_theta"], True)], -1)
@@ -181,8 +184,9 @@ class Reference:
         t, f = self.t, self.family
         if f in ckpts.QWEN:
             return qwen3_5_block(self.block, t, u, pos)  # the same gated attention layer
-        if f == "deepseek_v3":
-            return deepseek_v3_block(self.block, t, u, pos)
+        if f in ckpts.MLA:
+            return deepseek_v3_block(self.block, t, u, pos,
+                                     t["rms_norm_eps"] if f == "glm4_moe_lite" else 1e-6)
         d = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
         dims = int(d * t.get("partial_rotary_factor", 1.0))
         return plain_block(self.block, t, u, pos, dims, qk_norm=t.get("use_qk_norm", False))

@@ -36,8 +36,11 @@ LAYOUTS = {  # case -> (family, write() options)
     "glm4.6": ("glm4_moe", {"glm46": True}),  # no shared_head.head / embed_tokens in the module
     "mimo": ("mimo", {}),
     "qwen3_next": ("qwen3_next", {}),  # MoE MTP layer, per-expert keys
+    "glm4.7-flash": ("glm4_moe_lite", {}),  # MLA attention in GLM's MoE
+    "deepseek_v3.2": ("deepseek_v32", {}),  # DSA: the block caches [KV, indexer keys]
+    "glm5": ("glm_moe_dsa", {"glm46": True}),  # GLM-5: DSA, no embed/head copies (vLLM PR #27597)
 }
-FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo", "qwen3_next"]  # deepseek_v3 has 61 layers: fewer tokens
+FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo", "qwen3_next", "glm4.7-flash", "deepseek_v3.2", "glm5"]  # deepseek_v3 has 61 layers: fewer tokens
 _loaded: dict = {}
 
 

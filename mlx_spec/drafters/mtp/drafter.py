@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ...cache import rollback
 from ...sampling import Sampling
@@ -40,7 +39,7 @@ class MTPDrafter(SavesState):
         self._reset()
 
     def _reset(self) -> None:
-        self.cache = [self.head.make_cache() if hasattr(self.head, "make_cache") else KVCache()]
+        self.cache = [self.head.make_cache()]
         self._hidden: list[mx.array] = []  # [n_i, H] blocks of target hidden states not fed yet
         self._tokens: list[int] = []
         self._drafted = 0  # positions the last proposal appended past the committed ones

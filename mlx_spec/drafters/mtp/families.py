@@ -47,6 +47,11 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek", embed_first=True, mask_first_position=True),
     "glm4_moe": Family("deepseek", embed_first=True, mask_first_position=True),
+    # GLM-4.7-Flash (DeepSeek-V3 MLA in GLM's MoE): the same module at model.layers.{N}
+    "glm4_moe_lite": Family("deepseek", embed_first=True, mask_first_position=True),
+    # DeepSeek-V3.2 and GLM-5 (DSA: MLA plus a lightning indexer with its own key cache)
+    "deepseek_v32": Family("deepseek", embed_first=True, mask_first_position=True),
+    "glm_moe_dsa": Family("deepseek", embed_first=True, mask_first_position=True),
     "qwen3_5": Family("qwen", embed_first=True, mask_first_position=False),
     "qwen3_5_moe": Family("qwen", embed_first=True, mask_first_position=False),
     "qwen3_next": Family("qwen", embed_first=True, mask_first_position=False),
@@ -54,6 +59,9 @@ FAMILIES: dict[str, Family] = {
     # DeepSeek-V4-Flash base: e_proj(e) + h_proj(h) per stream (`deepseek_v4.py` here)
     "deepseek_v4": Family("deepseek_v4", embed_first=True, mask_first_position=False),
 }
+
+# Families whose decoder layer caches [attention KV, indexer keys] (a CacheList).
+DSA = ("deepseek_v32", "glm_moe_dsa")
 
 # Checkpoint key (after the module's prefix) -> head key; None drops on purpose.
 TABLES: dict[str, list[tuple[str, str | None]]] = {
@@ -280,6 +288,14 @@ def build_block(family: str, args, moe: bool) -> nn.Module:
         from mlx_lm.models import glm4_moe
 
         return glm4_moe.DecoderLayer(args, layer_idx=n)
+    if family == "glm4_moe_lite":
+        from mlx_lm.models import glm4_moe_lite
+
+        return glm4_moe_lite.Glm4MoeLiteDecoderLayer(args, layer_idx=n)
+    if family in DSA:  # glm_moe_dsa's model is deepseek_v32's
+        from mlx_lm.models import deepseek_v32
+
+        return deepseek_v32.DeepseekV32DecoderLayer(args, layer_idx=n)
     if family == "mimo":
         from mlx_lm.models import mimo
 

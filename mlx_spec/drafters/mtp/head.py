@@ -24,8 +24,9 @@ from dataclasses import asdict, dataclass, fields
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import CacheList, KVCache
 
-from .families import FAMILIES, build_block
+from .families import DSA, FAMILIES, build_block
 
 HIDDEN_STATES = ("final_norm", "last_layer")
 
@@ -74,6 +75,11 @@ class MTPHead(nn.Module):
             self.head = nn.Linear(hidden, args.vocab_size, bias=False)
         fam = FAMILIES[cfg.family]
         self._embed_first, self._mask_first = fam.embed_first, fam.mask_first_position
+        self._dsa = cfg.family in DSA
+
+    def make_cache(self):
+        """The block's cache: a KVCache, or [KV, indexer keys] for DSA layers."""
+        return CacheList(KVCache(), KVCache()) if self._dsa else KVCache()
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache, embed, lm_head):
         """hidden [T, H] at positions p..p+T-1, tokens [T] = x_{p+1..p+T}.
@@ -82,11 +88,12 @@ class MTPHead(nn.Module):
         Returns (logits [T, V], block output o [T, H], normed g [T, H]).
         """
         e = (self.embed if "embed" in self else embed)(tokens[None])  # [1, T, H]
-        if self._mask_first and cache.offset == 0:
+        kv = cache[0] if isinstance(cache, CacheList) else cache  # positions and the mask
+        if self._mask_first and kv.offset == 0:
             e = e * (mx.arange(e.shape[1]) > 0)[None, :, None].astype(e.dtype)
         parts = [self.enorm(e), self.hnorm(hidden[None].astype(e.dtype))]
         u = self.proj(mx.concatenate(parts if self._embed_first else parts[::-1], axis=-1))
-        mask = create_attention_mask(u, cache, return_array=True)
+        mask = create_attention_mask(u, kv, return_array=True)
         o = self.block(u, mask, cache)  # [1, T, H]
         g = self.norm(o)
         logits = (self.head if "head" in self else lm_head)(g)
