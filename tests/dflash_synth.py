@@ -265,17 +265,21 @@ class Reference:
         logits = self.hidden(taps_cat, embed[ids])[1:] @ head.T * multiplier
         return np.tanh(logits / softcap) * softcap if softcap else logits
 
-    def dspark_chain(self, taps_cat, anchor, embed, head, k):
-        """DSpark greedy: (tokens [k], step logits [k, V], confidences [k])."""
+    def dspark_chain(self, taps_cat, anchor, embed, head, k, d2t=None, skip=0):
+        """DSpark greedy: (tokens [k], step logits [k, V_d], confidences [k]).
+
+        `d2t` [V_d]: target ids of a reduced draft vocabulary (`head`, W2 over V_d; W1 over
+        the target's); `skip` 1: block row 0 holds the anchor only (speculators' slots)."""
         ids = [anchor] + [self.mask] * (self.block - 1)
-        h = self.hidden(taps_cat, embed[ids])[:k]
+        h = self.hidden(taps_cat, embed[ids])[skip:skip + k]
         U, w = h @ head.T, self.w
         prev, toks, rows, confs = anchor, [], [], []
         for j in range(k):
             e = w["markov_head.markov_w1.weight"][prev]
             s = U[j] + w["markov_head.markov_w2.weight"] @ e
             c = np.concatenate([h[j], e]) @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"][0]
-            toks.append(int(np.argmax(s)))
+            t = int(np.argmax(s))
+            toks.append(t if d2t is None else int(d2t[t]))
             rows.append(s)
             confs.append(1 / (1 + np.exp(-c)))
             prev = toks[-1]
