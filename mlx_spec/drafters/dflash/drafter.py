@@ -101,8 +101,11 @@ class DFlashDrafter(SavesState):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
-        h = self.hidden(y)  # [B, H]
-        return pick_block(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
+        h = self.hidden(y)[1 : k + 1]  # [k, H]
+        if "candidate_selector" in self.context.net:  # DFlash2: a path through each row's top-k
+            return self.context.net.candidate_selector.choose(h, self.logits(h), y, sampling,
+                                                              self.sample_drafts)
+        return pick_block(self.logits(h), sampling, self.sample_drafts)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         self.context.add(taps, len(tokens))
