@@ -15,6 +15,7 @@ from pathlib import Path
 # format name -> converter module (checked in this order by --format auto)
 # (DSpark before DFlash: a DSpark head is a DFlash backbone plus its own heads.)
 FORMATS: dict[str, str] = {
+    "gemma4": "converters.gemma4",  # Gemma 4 assistants (told apart by their model_type)
     "dspark": "converters.dspark",
     "dflash": "converters.dflash",
     "mtp": "converters.mtp",  # MTP modules inside target checkpoints

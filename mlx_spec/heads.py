@@ -31,6 +31,7 @@ LOADERS: dict[str, str] = {
     "mtp": "mlx_spec.drafters.mtp:load_head_folder",  # MTP heads extracted by convert head
     "dflash": "mlx_spec.drafters.dflash:load",
     "dspark": "mlx_spec.drafters.dspark:load",
+    "gemma4_assistant": "mlx_spec.drafters.gemma4_assistant:load",
 }
 # kind -> "module:function(folder, config, model, **options) -> Drafter | None" for target
 # checkpoints that carry drafter weights; None when the folder has none of that kind.
