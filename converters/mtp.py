@@ -28,6 +28,10 @@ def detect(config: dict, tensor_names) -> bool:
     family = family_of(config)
     if family is None:
         return False
+    if family == "deepseek_v4":  # -0731's mtp.* are DSpark stages, used in place (--draft dspark)
+        from mlx_spec.drafters.mtp.deepseek_v4 import is_mtp_checkpoint
+
+        return is_mtp_checkpoint(config, tensor_names)
     prefix = module_prefix(family, config)
     return any(n.startswith(prefix) for n in tensor_names)
 

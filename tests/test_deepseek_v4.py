@@ -266,3 +266,12 @@ def test_sampled_output_follows_the_target_distribution(tmp_path, monkeypatch):
     monkeypatch.setattr(acceptance, "accept", keep_all)
     wrong, _ = counts(100)
     assert min(chi2_pvalue(wrong[j], exact[j]) for j in range(1, 3)) < 1e-4
+
+
+def test_stages_of_another_checkpoint_are_refused_before_they_are_read(v4, tmp_path):
+    folder, model, _, _, _ = v4
+    config = json.loads((folder / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"mtp.0.main_norm.weight": mx.zeros((128,))})
+    with pytest.raises(ValueError, match="not the loaded target's checkpoint .hidden_size: 128 there, 64"):
+        mlx_spec.load_drafter(tmp_path, model, kind="dspark")

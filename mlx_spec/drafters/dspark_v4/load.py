@@ -251,6 +251,13 @@ def probe(folder, config: dict, model, *, confidence_threshold: float | None = N
         raise ValueError(f"{folder}: config.json has dspark_* fields but lacks {missing}; "
                          "is it a complete DeepSeek-V4 DSpark config?")
     target_args = _target_args(model, text, folder)
+    have = model.args  # mlx-lm's deepseek_v41 args, or mlx-vlm's deepseek_v4 config
+    differ = [f"{k}: {text[k]} there, {getattr(have, k)} in the model"
+              for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+              if text.get(k) is not None and text[k] != getattr(have, k, text[k])]
+    if differ:  # before any stage tensor is read
+        raise ValueError(f"{folder} is not the loaded target's checkpoint ({'; '.join(differ)}); "
+                         "pass the target's own folder")
     ids = list(text["dspark_target_layer_ids"])
     index = tensor_index(folder)
     names = [k for k in index if k.startswith("mtp.")]
