@@ -89,6 +89,18 @@ CONFIGS = {
         moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=v, rope_theta=10000.0,
         partial_rotary_factor=0.25, max_position_embeddings=4096, norm_topk_prob=True,
         tie_word_embeddings=False, full_attention_interval=2, num_nextn_predict_layers=1),
+    # Nemotron-H (Nemotron 3 Super layout): Mamba, attention (no RoPE) and ReLU² MoE blocks;
+    # the MTP module is an attention block then a MoE block (`mtp_hybrid_override_pattern`).
+    "nemotron_h": lambda v: dict(
+        model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=v, hidden_size=64,
+        intermediate_size=128, max_position_embeddings=4096, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attention_bias=False, mamba_num_heads=4,
+        mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
+        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+        hybrid_override_pattern="M*E", moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_group=1, n_routed_experts=4, n_shared_experts=1,
+        topk_group=1, num_experts_per_tok=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+        tie_word_embeddings=False, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E"),
     "mimo": lambda v: dict(
         model_type="mimo", architectures=["MiMoForCausalLM"], hidden_size=64, num_hidden_layers=2,
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -126,11 +138,11 @@ def _main_model(family: str, config: dict, rng, residual: float, sharpen: float)
         a = np.array(w, dtype=np.float32)
         if k.endswith("norm.weight") and a.ndim == 1 and "linear_attn" not in k:
             a = 1.0 + 0.1 * rng.standard_normal(a.shape)
-        elif any(s in k for s in ("o_proj", "down_proj", "out_proj")):
+        elif any(s in k for s in ("o_proj", "down_proj", "out_proj", "fc2")):
             a = a * residual
         elif k.endswith("lm_head.weight"):
             a = a * sharpen
-        elif k.endswith("embed_tokens.weight"):
+        elif k.endswith(("embed_tokens.weight", "embeddings.weight")):
             a = a * 8.0  # the token's own embedding dominates the residual stream
         params[k] = mx.array(a.astype(np.float32))
     model.update(tree_unflatten(list(params.items())))
@@ -146,6 +158,13 @@ def _to_hf(family: str, config: dict, params: dict) -> dict:
             for e in range(w.shape[0]):
                 out[k.replace(".switch_mlp.", f".experts.{e}.")] = w[e]
             continue
+        if family == "nemotron_h" and ".switch_mlp." in k:  # fc1/fc2 -> experts.{e}.up/down_proj
+            for e in range(w.shape[0]):
+                name = k.replace(".switch_mlp.", f".experts.{e}.")
+                out[name.replace(".fc1.", ".up_proj.").replace(".fc2.", ".down_proj.")] = w[e]
+            continue
+        if family == "nemotron_h" and "conv1d.weight" in k:
+            w = w.moveaxis(2, 1)  # [C, K, 1] -> [C, 1, K]
         if family in QWEN:
             norm = k.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight",
                                "model.norm.weight", ".q_norm.weight", ".k_norm.weight"))
@@ -221,6 +240,23 @@ def _block_shapes(family: str, t: dict) -> dict:
     return s
 
 
+def _nemotron_mtp_shapes(t: dict) -> dict:
+    """`mtp.layers.{i}.*` of a Nemotron-H checkpoint with pattern "*E" (vLLM nemotron_h_mtp.py)."""
+    H, nh, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    E, Im, Is = t["n_routed_experts"], t["moe_intermediate_size"], t["moe_shared_expert_intermediate_size"]
+    s = {"layers.0.enorm.weight": (H,), "layers.0.hnorm.weight": (H,), "layers.0.eh_proj.weight": (H, 2 * H),
+         "layers.0.norm.weight": (H,), "layers.0.mixer.q_proj.weight": (nh * d, H),
+         "layers.0.mixer.k_proj.weight": (nkv * d, H), "layers.0.mixer.v_proj.weight": (nkv * d, H),
+         "layers.0.mixer.o_proj.weight": (H, nh * d), "layers.1.norm.weight": (H,),
+         "layers.1.mixer.gate.weight": (E, H), "layers.1.mixer.gate.e_score_correction_bias": (E,),
+         "layers.1.mixer.shared_experts.up_proj.weight": (Is, H),
+         "layers.1.mixer.shared_experts.down_proj.weight": (H, Is), "layers.1.final_layernorm.weight": (H,)}
+    for e in range(E):
+        s[f"layers.1.mixer.experts.{e}.up_proj.weight"] = (Im, H)
+        s[f"layers.1.mixer.experts.{e}.down_proj.weight"] = (H, Im)
+    return s
+
+
 def _random(rng, key: str, shape, offset_norms: bool, residual: float) -> np.ndarray:
     if key.endswith("norm.weight") or "layernorm" in key:
         noise = 0.1 * rng.standard_normal(shape)
@@ -235,6 +271,13 @@ def _mtp_tensors(family: str, config: dict, hf: dict, rng, residual: float, glm4
     t = text(config)
     H = t["hidden_size"]
     qwen = family in QWEN
+    if family == "nemotron_h":
+        out = {"mtp." + k: _random(rng, k, s, False, residual) for k, s in _nemotron_mtp_shapes(t).items()}
+        noise = 0.3 * rng.standard_normal((H, H)) / np.sqrt(H)
+        out["mtp.layers.0.eh_proj.weight"] = np.concatenate([np.eye(H), noise], axis=1)
+        out["mtp.layers.1.final_layernorm.weight"] = (np.array(hf["backbone.norm_f.weight"])
+                                                      + 0.02 * rng.standard_normal(H))
+        return {k: mx.array(np.asarray(v, np.float32)) for k, v in out.items()}
     block = {k: _random(rng, k, s, qwen, residual) for k, s in _block_shapes(family, t).items()}
     # The projection passes the next token's embedding through, plus a little of h.
     eye, noise = np.eye(H), 0.3 * rng.standard_normal((H, H)) / np.sqrt(H)

@@ -55,7 +55,7 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..taps import decoder_stack
+from ..taps import decoder_stack, embedding
 from .base import MAX_DRAFT, SavesState, check_target, target_lm_head
 from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
 from .dflash.drafter import block_inputs, check_block_target
@@ -107,7 +107,7 @@ class DSparkDrafter(SparkChain, SavesState):
             check_target(model, "this DSpark head", token_ids={
                 "largest draft_to_target id": int(self.draft_to_target.max())})
         h = self.heads
-        self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
+        self._embed = h.embed_tokens if "embed_tokens" in h else embedding(decoder_stack(model))
         self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
         self.context.reset()
 

@@ -31,7 +31,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...sampling import Sampling
-from ...taps import decoder_stack
+from ...taps import decoder_stack, embedding
 from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
@@ -79,7 +79,7 @@ class DFlashDrafter(SavesState):
         # The target's token embedding as Hugging Face's `embed_tokens` returns it: Gemma's is a
         # scaled word embedding (x sqrt(H), mlx-lm keeps the factor as `embed_scale`); no
         # embedding norm (Muse Glimmer applies one after its raw embedding: not used here).
-        self._embed, self._embed_scale = stack.embed_tokens, float(getattr(stack, "embed_scale", 1.0))
+        self._embed, self._embed_scale = embedding(stack), float(getattr(stack, "embed_scale", 1.0))
         self._head = target_lm_head(model)
         self.context.reset()
 

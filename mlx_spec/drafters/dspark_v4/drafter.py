@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ...taps import EMBED, decoder_stack
+from ...taps import EMBED, decoder_stack, embedding
 from ..base import MAX_DRAFT, SAME_WEIGHTS, SavesState, check_target, target_lm_head
 from ..spark_chain import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
@@ -66,7 +66,7 @@ class V4DSparkDrafter(SparkChain, SavesState):
         check_target(model, "these DeepSeek-V4 DSpark stages", SAME_WEIGHTS,
                      hidden_size=self.net.args.hidden_size, vocab=self.spark.vocab_size,
                      layers=self.layer_ids, token_ids={"dspark_noise_token_id": self.noise_token_id})
-        self._embed, self._head = decoder_stack(model).embed_tokens, target_lm_head(model)
+        self._embed, self._head = embedding(decoder_stack(model)), target_lm_head(model)
         self.context.reset()
 
     def _add(self, taps: dict | None, n: int) -> None:

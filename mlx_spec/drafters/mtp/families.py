@@ -19,7 +19,8 @@ as offsets are shifted by +1 exactly when mlx-lm shifts the target's (see
 through the target class's own `sanitize`.
 
 Non-goals: MTP modules after the first (every shipped checkpoint has one; the
-drafter chains module 0), DeepSeek-V3.2/V4 layouts.
+drafter chains module 0). DeepSeek-V4 and Nemotron-H have their own modules
+(`deepseek_v4.py`, `nemotron_h.py`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ FAMILIES: dict[str, Family] = {
     "mimo": Family("mimo", embed_first=False, mask_first_position=True),
     # DeepSeek-V4-Flash base: e_proj(e) + h_proj(h) per stream (`deepseek_v4.py` here)
     "deepseek_v4": Family("deepseek_v4", embed_first=True, mask_first_position=False),
+    # Nemotron-H: a row of target blocks (`mtp_hybrid_override_pattern`), `nemotron_h.py` here
+    "nemotron_h": Family("nemotron_h", embed_first=True, mask_first_position=False),
 }
 
 # Families whose decoder layer caches [attention KV, indexer keys] (a CacheList).
@@ -128,7 +131,7 @@ def module_prefix(family: str, config: dict) -> str:
     layout = FAMILIES[family].layout
     if layout == "deepseek":
         return f"model.layers.{text_config(config)['num_hidden_layers']}."
-    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0.", "deepseek_v4": "mtp.0."}[layout]
+    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0.", "deepseek_v4": "mtp.0.", "nemotron_h": "mtp."}[layout]
 
 
 # ---- reading only what is needed from the safetensors -----------------------
@@ -205,6 +208,10 @@ def to_head_weights(family: str, config: dict, raw: dict, shift: bool) -> dict:
         from .deepseek_v4 import head_weights
 
         return head_weights(config, raw)
+    if layout == "nemotron_h":
+        from .nemotron_h import head_weights
+
+        return head_weights(raw)
     if layout == "deepseek":
         raw = _through_target_sanitize(family, config, raw)
     weights = apply_table(raw, TABLES[layout], f"{family} MTP module")
@@ -267,9 +274,14 @@ def text_args(family: str, config: dict | None = None, model=None):
     return importlib.import_module(f"mlx_lm.models.{family}").ModelArgs.from_dict(config)
 
 
-def build_block(family: str, args, moe: bool) -> nn.Module:
-    """A fresh decoder layer for the MTP module; `moe`: its MLP is a mixture of experts."""
+def build_block(family: str, args, moe: bool, pattern: str = "") -> nn.Module:
+    """A fresh decoder layer for the MTP module; `moe`: its MLP is a mixture of experts;
+    `pattern`: the blocks of a multi-block module (Nemotron-H)."""
     n = args.num_hidden_layers
+    if family == "nemotron_h":
+        from .nemotron_h import NemotronMTPBlocks
+
+        return NemotronMTPBlocks(args, pattern)
     if family in ("qwen3_5", "qwen3_5_moe"):
         from mlx_lm.models import qwen3_5
 

@@ -41,6 +41,7 @@ class MTPConfig:
     own_head: bool = False  # ... its own LM head
     moe: bool = False  # the block's MLP is a mixture of experts
     num_modules: int = 1  # MTP modules in the source checkpoint (module 0 is used)
+    block_pattern: str = ""  # blocks of a multi-block module ("*E": Nemotron-H), else ""
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -63,11 +64,12 @@ class MTPConfig:
 class MTPHead(nn.Module):
     def __init__(self, cfg: MTPConfig, args):
         super().__init__()
-        hidden, eps = args.hidden_size, args.rms_norm_eps
+        hidden = args.hidden_size
+        eps = getattr(args, "rms_norm_eps", None) or args.layer_norm_epsilon  # Nemotron-H: the latter
         self.enorm = nn.RMSNorm(hidden, eps=eps)
         self.hnorm = nn.RMSNorm(hidden, eps=eps)
         self.proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.block = build_block(cfg.family, args, cfg.moe)
+        self.block = build_block(cfg.family, args, cfg.moe, cfg.block_pattern)
         self.norm = nn.RMSNorm(hidden, eps=eps)
         if cfg.own_embed:
             self.embed = nn.Embedding(args.vocab_size, hidden)
@@ -78,7 +80,10 @@ class MTPHead(nn.Module):
         self._dsa = cfg.family in DSA
 
     def make_cache(self):
-        """The block's cache: a KVCache, or [KV, indexer keys] for DSA layers."""
+        """The block's cache: a KVCache, [KV, indexer keys] for DSA layers, or the block's own
+        (one KV per attention block of a multi-block module)."""
+        if hasattr(self.block, "make_cache"):
+            return self.block.make_cache()
         return CacheList(KVCache(), KVCache()) if self._dsa else KVCache()
 
     def __call__(self, hidden: mx.array, tokens: mx.array, cache, embed, lm_head):

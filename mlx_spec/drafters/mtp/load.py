@@ -81,8 +81,17 @@ def extract(folder: Path, config: dict | None = None):
         own_head="head.weight" in weights,
         moe=any(".switch_mlp." in k for k in weights),
         num_modules=max(declared_modules(config), 1),
+        block_pattern=_pattern(family, config),
     )
     return cfg, weights, config
+
+
+def _pattern(family: str, config: dict) -> str:
+    if family != "nemotron_h":
+        return ""
+    from .nemotron_h import pattern_of
+
+    return pattern_of(config)
 
 
 def build_head(cfg: MTPConfig, args, weights: dict) -> MTPHead:
