@@ -67,6 +67,22 @@ def is_muse(config: dict, names) -> bool:
             or "MuseGlimmerAssistantModel" in (config.get("architectures") or []))
 
 
+def unsupported(config: dict, tensor_names) -> str | None:
+    """Why a recognised DFlash layout cannot be loaded (converters.head asks before detect)."""
+    names = set(tensor_names)
+    laguna = config.get("model_type") == "laguna" and ("dflash_config" in config or "gating" in config)
+    if laguna or any(".self_attn.g_proj." in n or n.startswith("aux_hidden_norms.") for n in names):
+        return (
+            "this is a Laguna DFlash head (poolside; model_type 'laguna' with dflash_config). It "
+            "adds a per-head softplus output gate (self_attn.g_proj), one norm per tapped target "
+            "layer before fc (aux_hidden_norms) and a fused qkv_proj to the z-lab DFlash layers "
+            "mlx-spec builds. The only implementations found are other MLX ports (mlx-vlm, "
+            "dflash-mlx); without poolside's reference to settle their details (context-window "
+            "trimming, the gate's dtype) mlx-spec does not implement it yet."
+        )
+    return None
+
+
 def detect(config: dict, tensor_names) -> bool:
     names = set(tensor_names)
     if "encoder.fc.weight" in names:
@@ -238,6 +254,9 @@ def muse_logits(target: dict) -> tuple[float, float | None]:
 
 def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     """(head config, head weights) for either DFlash layout; raises before any work on a mismatch."""
+    reason = unsupported(cfg, weights)
+    if reason:
+        raise ConversionError(reason)
     muse = is_muse(cfg, weights)
     dcfg = {} if muse else cfg.get("dflash_config") or {}
     arch = cfg.get("architectures") or []

@@ -71,6 +71,23 @@ def detect(config: dict, tensor_names) -> bool:
             or {"fc.weight", "hidden_norm.weight", "embed_tokens.weight", "lm_head.weight"} <= names)
 
 
+GEMMA_DSPARK = (
+    "this is a DeepSpec Gemma 4 DSpark head (Gemma4DSparkModel, deepseek-ai/DeepSpec "
+    "deepspec/modeling/dspark/gemma4). Its backbone is made of Gemma 4 decoder layers (norms "
+    "before and after attention and MLP, one K=V projection on full-attention layers with their "
+    "own head size, embeddings scaled by sqrt(hidden_size)), and mlx-spec's DSpark drafter builds "
+    "only the Qwen3 DFlash backbone (Qwen3DSparkModel, speculators' dspark). For a Gemma 4 target "
+    "use its assistant (--format gemma4) or a DFlash head instead."
+)
+
+
+def unsupported(config: dict, tensor_names) -> str | None:
+    """Why a recognised DSpark layout cannot be loaded (converters.head asks before detect)."""
+    if any("Gemma" in a and "DSpark" in a for a in config.get("architectures") or []):
+        return GEMMA_DSPARK
+    return None
+
+
 def spark_fields(cfg: dict, weights: dict) -> dict:
     """Markov and confidence settings, checked against each other."""
     rank = cfg.get("markov_rank", 0) or 0
@@ -155,8 +172,7 @@ def drop_copies(out: dict, target_weights: dict) -> None:
 def build(cfg: dict, weights: dict, target: dict, target_weights: dict | None = None) -> tuple[dict, dict]:
     """(head config, head weights); raises before any work on a mismatch."""
     if any("Gemma" in a for a in cfg.get("architectures") or []):
-        raise ConversionError("Gemma-4 DSpark heads (Gemma4DSparkModel) are not supported; "
-                              "only the Qwen3 layout (Qwen3DSparkModel) is")
+        raise ConversionError(GEMMA_DSPARK)
     speculators = cfg.get("speculators_model_type") == "dspark"
     if speculators:
         cfg = speculators_config(cfg)
