@@ -16,7 +16,11 @@ which is mlx-spec's tap convention: id k -> tap k. The last layer is refused
 (HF's last hidden state is post-final-norm; no published head uses it). The
 head ships no embedding or LM head: the target's raw embedding rows and its LM
 head are used. Everything is checked before anything is written.
-Non-goals: DFlash2, MiMo's sink/value-scale variants (refused by name).
+DFlash2 (`DFlash2DraftModel`; vLLM `qwen3_dflash2.py`) adds per-layer `attention_conv` /
+`mlp_conv` (`base_kernel [2, taps, H]`, `kernel_projection [2 * taps * H / g, H]`) and a
+`candidate_selector` (`hidden_projection [r, H]`, bare `predecessor_codebook` /
+`successor_codebook [V, r]`) with `dflash_config` `conv_kernel_size`, `conv_group_size`,
+`selector_rank`, `selector_top_k`. Non-goals: MiMo's sink/value-scale variants (refused by name).
 """
 
 from __future__ import annotations
@@ -38,6 +42,16 @@ LAYERS = [  # checkpoint key -> head key, shared by every DFlash-style layout
     (r"norm\.weight", "norm.weight"),
 ]
 ZLAB = [(r"fc\.weight", "fc.weight"), (r"hidden_norm\.weight", "hidden_norm.weight"), *LAYERS]
+DFLASH2 = [  # z-lab `DFlash2DraftModel` (vLLM `qwen3_dflash2.py`): the v1 names plus these
+    *ZLAB,
+    (r"layers\.(\d+)\.(attention_conv|mlp_conv)\.base_kernel", r"layers.\1.\2.base_kernel"),
+    (r"layers\.(\d+)\.(attention_conv|mlp_conv)\.kernel_projection\.weight",
+     r"layers.\1.\2.kernel_projection.weight"),
+    # the codebooks are bare parameters (no `.weight`) in the checkpoint
+    (r"candidate_selector\.(predecessor|successor)_codebook", r"candidate_selector.\1_codebook.weight"),
+    (r"candidate_selector\.hidden_projection\.weight", "candidate_selector.hidden_projection.weight"),
+]
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 MUSE = [
     (r"encoder\.fc\.weight", "fc.weight"),
     (r"encoder\.output_norm_enc\.weight", "hidden_norm.weight"),
@@ -45,12 +59,28 @@ MUSE = [
 ]
 # dflash_config keys that change the math in ways this head does not implement
 UNSUPPORTED = ("attention_sink_bias", "attention_value_scale", "use_swa", "backbone_rotary_base",
-               "projector_type", "conv_kernel_size", "selector_rank")
+               "projector_type")
 
 
 def is_muse(config: dict, names) -> bool:
     return ("encoder.fc.weight" in names or config.get("model_type") == "muse_glimmer_assistant"
             or "MuseGlimmerAssistantModel" in (config.get("architectures") or []))
+
+
+def unsupported(config: dict, tensor_names) -> str | None:
+    """Why a recognised DFlash layout cannot be loaded (converters.head asks before detect)."""
+    names = set(tensor_names)
+    laguna = config.get("model_type") == "laguna" and ("dflash_config" in config or "gating" in config)
+    if laguna or any(".self_attn.g_proj." in n or n.startswith("aux_hidden_norms.") for n in names):
+        return (
+            "this is a Laguna DFlash head (poolside; model_type 'laguna' with dflash_config). It "
+            "adds a per-head softplus output gate (self_attn.g_proj), one norm per tapped target "
+            "layer before fc (aux_hidden_norms) and a fused qkv_proj to the z-lab DFlash layers "
+            "mlx-spec builds. The only implementations found are other MLX ports (mlx-vlm, "
+            "dflash-mlx); without poolside's reference to settle their details (context-window "
+            "trimming, the gate's dtype) mlx-spec does not implement it yet."
+        )
+    return None
 
 
 def detect(config: dict, tensor_names) -> bool:
@@ -184,6 +214,21 @@ def network_shapes(f: dict) -> dict:
     return out
 
 
+def dflash2_shapes(f: dict) -> dict:
+    """DFlash2's tensors: each layer's two grouped convolutions and the candidate selector."""
+    H, taps, g, r = f["hidden_size"], f["conv_kernel_size"], f["conv_group_size"], f["selector_rank"]
+    if H % g:
+        raise ConversionError(f"conv_group_size {g} does not divide hidden_size {H}")
+    out = {"candidate_selector.predecessor_codebook.weight": (f["vocab_size"], r),
+           "candidate_selector.successor_codebook.weight": (f["vocab_size"], r),
+           "candidate_selector.hidden_projection.weight": (r, H)}
+    for i in range(f["num_hidden_layers"]):
+        for conv in ("attention_conv", "mlp_conv"):
+            out[f"layers.{i}.{conv}.base_kernel"] = (2, taps, H)
+            out[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * (H // g), H)
+    return out
+
+
 def check_block(block_size, mask_id, target: dict) -> None:
     if not (isinstance(block_size, int) and block_size >= 2):
         raise ConversionError(f"block_size must be an integer >= 2, got {block_size!r}")
@@ -209,11 +254,12 @@ def muse_logits(target: dict) -> tuple[float, float | None]:
 
 def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     """(head config, head weights) for either DFlash layout; raises before any work on a mismatch."""
+    reason = unsupported(cfg, weights)
+    if reason:
+        raise ConversionError(reason)
     muse = is_muse(cfg, weights)
     dcfg = {} if muse else cfg.get("dflash_config") or {}
     arch = cfg.get("architectures") or []
-    if any("DFlash2" in a for a in arch) or any(k.startswith("candidate_selector.") for k in weights):
-        raise ConversionError("DFlash2 heads (dynamic convolutions, candidate selector) are not supported")
     bad = [k for k in UNSUPPORTED if dcfg.get(k) is not None and dcfg.get(k) is not False
            and not (k == "attention_value_scale" and dcfg[k] == 1.0)]
     if bad:
@@ -221,6 +267,13 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
 
     def value(name, default=None):  # z-lab reads dflash_config first, then the top level
         return dcfg.get(name, cfg.get(name, default))
+
+    v2 = (any("DFlash2" in a for a in arch) or any(k.startswith("candidate_selector.") for k in weights)
+          or any(value(k) for k in DFLASH2_FIELDS))
+    missing = [k for k in DFLASH2_FIELDS if v2 and not isinstance(value(k), int)]
+    if missing:
+        raise ConversionError(f"a DFlash2 head needs dflash_config {list(DFLASH2_FIELDS)}; "
+                              f"{missing} are missing")
 
     n_layers, n_target = cfg.get("num_hidden_layers"), target["num_hidden_layers"]
     ids = value("target_layer_ids") or default_layer_ids(cfg.get("num_target_layers", n_target), n_layers)
@@ -236,8 +289,11 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
         windows, causal = layer_attention(cfg, n_layers, override)
         multiplier, softcap = float(value("output_multiplier", 1.0)), value("final_logit_softcapping")
     fields = network_fields(cfg, target, len(ids), windows, causal)
-    out = rename(weights, MUSE if muse else ZLAB)
-    check_shapes(out, network_shapes(fields), "DFlash checkpoint")
+    if v2:
+        fields.update({k: int(value(k)) for k in DFLASH2_FIELDS}, vocab_size=target["vocab_size"])
+    out = rename(weights, MUSE if muse else DFLASH2 if v2 else ZLAB)
+    check_shapes(out, {**network_shapes(fields), **(dflash2_shapes(fields) if v2 else {})},
+                 "DFlash2 checkpoint" if v2 else "DFlash checkpoint")
     config = {
         "mlx_spec": {"format": HEAD_FORMAT_VERSION, "drafter": "dflash",
                      "taps": tap_ids(ids, n_target), "target": target_identity(target)},
@@ -246,7 +302,7 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
         "input_embedding_scale": float(value("input_embedding_scale", 1.0)),
         "output_multiplier": multiplier,
         "final_logit_softcapping": float(softcap) if softcap else None,
-        "source": {"layout": "muse-glimmer-assistant" if muse else "z-lab-dflash-v1",
+        "source": {"layout": "muse-glimmer-assistant" if muse else "z-lab-dflash2" if v2 else "z-lab-dflash-v1",
                    "architectures": arch, "target_layer_ids": ids,
                    "layer_ids": "output-of-layer (HF hidden_states[id + 1])"},
     }

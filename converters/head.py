@@ -2,7 +2,9 @@
 
 Each format registers a converter module in `FORMATS`; `auto` asks each
 module's `detect(config, tensor_names) -> bool` in order. A converter module
-exposes `convert(src_folder, out_dir, target_folder, *, quantize_bits, force)`.
+exposes `convert(src_folder, out_dir, target_folder, *, quantize_bits, force)`,
+and optionally `unsupported(config, tensor_names) -> str | None`, the reason a
+layout it recognises cannot be loaded (asked before any `detect`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 # format name -> converter module (checked in this order by --format auto)
 # (DSpark before DFlash: a DSpark head is a DFlash backbone plus its own heads.)
 FORMATS: dict[str, str] = {
+    "gemma4": "converters.gemma4",  # Gemma 4 assistants (told apart by their model_type)
     "dspark": "converters.dspark",
     "dflash": "converters.dflash",
     "mtp": "converters.mtp",  # MTP modules inside target checkpoints
@@ -39,6 +42,10 @@ def detect(src: Path) -> str:
 
     config = read_config(src)
     names = _tensor_names(src)
+    for module in FORMATS.values():
+        reason = getattr(importlib.import_module(module), "unsupported", lambda c, n: None)(config, names)
+        if reason:
+            raise ValueError(f"{src}: {reason}")
     for name, module in FORMATS.items():
         if importlib.import_module(module).detect(config, names):
             return name

@@ -28,6 +28,10 @@ def detect(config: dict, tensor_names) -> bool:
     family = family_of(config)
     if family is None:
         return False
+    if family == "deepseek_v4":  # -0731's mtp.* are DSpark stages, used in place (--draft dspark)
+        from mlx_spec.drafters.mtp.deepseek_v4 import is_mtp_checkpoint
+
+        return is_mtp_checkpoint(config, tensor_names)
     prefix = module_prefix(family, config)
     return any(n.startswith(prefix) for n in tensor_names)
 
@@ -35,7 +39,7 @@ def detect(config: dict, tensor_names) -> bool:
 def convert(src_folder, out_dir, target_folder=None, *, quantize_bits=None, group_size=64, force=False) -> Path:
     from mlx.utils import tree_flatten
 
-    from mlx_spec.drafters.mtp.families import family_of, text_args
+    from mlx_spec.drafters.mtp.families import FAMILIES, family_of, text_args
     from mlx_spec.drafters.mtp.head import quantize_head
     from mlx_spec.drafters.mtp.load import build_head, extract
 
@@ -48,7 +52,7 @@ def convert(src_folder, out_dir, target_folder=None, *, quantize_bits=None, grou
     if found is None:
         raise ConversionError(
             f"{src} holds no MTP module (model type {config.get('model_type')!r}; supported: "
-            "deepseek_v3, glm4_moe, qwen3_5, qwen3_5_moe, qwen3_next, mimo)"
+            f"{', '.join(sorted(FAMILIES))})"
         )
     cfg, weights, _ = found
     target = read_config(Path(target_folder)) if target_folder else config
@@ -58,7 +62,7 @@ def convert(src_folder, out_dir, target_folder=None, *, quantize_bits=None, grou
     except ValueError as e:
         raise ConversionError(f"{src}: {e}") from None
     out_config = {
-        "mlx_spec": {"format": HEAD_FORMAT_VERSION, "drafter": "mtp", "taps": ["final_norm"],
+        "mlx_spec": {"format": HEAD_FORMAT_VERSION, "drafter": "mtp", "taps": [cfg.hidden_state],
                      "target": target_identity(target)},
         **cfg.to_dict(),
     }

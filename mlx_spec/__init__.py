@@ -51,6 +51,8 @@ def __dir__():
 def load(path_or_repo: str):
     """Load an mlx-lm model folder or Hugging Face repo: returns (model, tokenizer).
 
+    A model type mlx-lm lacks but `mlx_spec.targets.TARGETS` lists (DeepSeek-V4-Flash,
+    `deepseek_v4`) loads through that entry's implementation, installed as an extra.
     Raises `ModelLoadError` (a ValueError and an OSError) naming the missing or damaged
     file and how to replace it, when the folder or repo cannot be loaded.
     """
@@ -59,6 +61,7 @@ def load(path_or_repo: str):
     from mlx_lm import load as _load
 
     from .load_errors import ModelFileNotFoundError, explained
+    from .targets import config_of, loader_for
 
     path = Path(path_or_repo).expanduser()
     looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
@@ -68,7 +71,15 @@ def load(path_or_repo: str):
             "give a model folder (with config.json), a repo id, or (on the command line) a zoo name",
         )
     with explained(path_or_repo, "model"):
-        return _load(str(path) if path.exists() else path_or_repo)
+        if not path.exists():
+            from mlx_lm.utils import _download
+
+            path = Path(_download(path_or_repo))
+        config = config_of(path)
+        target = loader_for(config)
+        if target is not None:
+            return target(path, config)
+        return _load(str(path))
 
 
 __all__ = ["load", *_EXPORTS]

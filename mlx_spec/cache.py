@@ -49,12 +49,43 @@ SPARE = MAX_DRAFT + 1
 
 
 # Caches restored from a snapshot of these attributes, then replayed. Each must
-# only ever *reassign* them on update (checked for the mlx-lm versions we support).
+# only ever *reassign* them on update (checked for the mlx-lm versions we support),
+# unless they are listed in SNAPSHOT_COPIED.
 SNAPSHOT_ATTRS: dict[type, tuple[str, ...]] = {ArraysCache: ("cache",)}
 if LayerCache is not None:
     SNAPSHOT_ATTRS[LayerCache] = (
         "window", "compress_kv", "index_k", "pending_kv", "pending_gate", "offset",
     )
+# Snapshot attributes holding arrays their cache updates in place (slice assignment):
+# copied when the snapshot is taken and again when it is restored.
+SNAPSHOT_COPIED: dict[type, tuple[str, ...]] = {}
+# Sliding-window caches with mlx-lm's RotatingKVCache fields (max_size, keep, keys,
+# values, offset, _idx), taken over by a WindowKVCache.
+ROTATING: list[type] = [RotatingKVCache]
+# Per-layer containers whose `.caches` hold the caches of one layer.
+CONTAINERS: list[type] = [CacheList]
+# Caches whose `offset` counts something other than positions (pooled groups): they
+# have `empty()`, and prompt-cache bookkeeping does not read their offset.
+POSITIONLESS: list[type] = []
+
+
+def register_cache_types(*, rotating=(), containers=(), snapshots=None, copied=None,
+                         positionless=()) -> None:
+    """Teach the rollback machinery another library's cache classes (a target module
+    does this once, e.g. `mlx_spec.targets.deepseek_v4` for mlx-vlm's caches)."""
+    ROTATING.extend(c for c in rotating if c not in ROTATING)
+    CONTAINERS.extend(c for c in containers if c not in CONTAINERS)
+    POSITIONLESS.extend(c for c in positionless if c not in POSITIONLESS)
+    SNAPSHOT_ATTRS.update(snapshots or {})
+    SNAPSHOT_COPIED.update(copied or {})
+
+
+def positions(c: Any) -> int | None:
+    """How many positions cache layer `c` has seen, when its `offset` says so."""
+    if isinstance(c, tuple(POSITIONLESS)):
+        return None
+    offset = getattr(c, "offset", None)
+    return offset if isinstance(offset, int) else None
 
 
 def _snapshot_attrs(c: Any) -> tuple[str, ...] | None:
@@ -62,6 +93,17 @@ def _snapshot_attrs(c: Any) -> tuple[str, ...] | None:
         if isinstance(c, cls):
             return attrs
     return None
+
+
+def _copied_attrs(c: Any) -> tuple[str, ...]:
+    for cls, attrs in SNAPSHOT_COPIED.items():
+        if isinstance(c, cls):
+            return attrs
+    return ()
+
+
+def _is_container(c: Any) -> bool:
+    return isinstance(c, tuple(CONTAINERS))
 
 
 class CacheRollbackError(ValueError):
@@ -202,11 +244,11 @@ def _temporal(c: RotatingKVCache, v: mx.array) -> mx.array:
 
 
 def _prepare_layer(c: Any, where: str) -> Any:
-    if isinstance(c, RotatingKVCache):
+    if isinstance(c, tuple(ROTATING)):
         return WindowKVCache.from_rotating(c)
     if isinstance(c, (KVCache, QuantizedKVCache, WindowKVCache)) or _snapshot_attrs(c):
         return c
-    if isinstance(c, CacheList):
+    if _is_container(c):
         c.caches = [_prepare_layer(x, f"{where}.{i}") for i, x in enumerate(c.caches)]
         return c
     raise CacheRollbackError(
@@ -236,7 +278,7 @@ def make_cache(model) -> list:
 
 def _layers(cache: list):
     for c in cache:
-        if isinstance(c, CacheList):
+        if _is_container(c):
             yield from _layers(c.caches)
         else:
             yield c
@@ -279,7 +321,8 @@ class Checkpoint:
             if attrs is None:
                 self.offsets.append((c, c.offset))
             else:
-                self.states.append((c, {a: _copy(getattr(c, a)) for a in attrs}))
+                copied = _copied_attrs(c)
+                self.states.append((c, {a: _copy(getattr(c, a), a in copied) for a in attrs}))
 
     def keep(self, kept: Sequence[int], fed: int | None = None) -> None:
         """Keep `kept` of what was fed since the checkpoint (`fed` tokens, when known)."""
@@ -298,12 +341,16 @@ class Checkpoint:
         if not replay:
             return
         for c, state in self.states:
+            copied = _copied_attrs(c)
             for attr, value in state.items():
-                setattr(c, attr, _copy(value))
+                setattr(c, attr, _copy(value, attr in copied))
         if kept:  # replay; stays lazy until the next evaluation
             self.model(mx.array(list(kept), mx.uint32)[None], cache=self.cache)
 
 
-def _copy(value):
-    """A shallow copy of a list (ArraysCache's slots); arrays and ints as they are."""
+def _copy(value, deep: bool = False):
+    """A shallow copy of a list (ArraysCache's slots); arrays and ints as they are, or
+    (`deep`: updated in place by their cache) a copy the update cannot reach."""
+    if deep and isinstance(value, mx.array):
+        return mx.array(value)
     return list(value) if isinstance(value, list) else value

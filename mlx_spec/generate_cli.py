@@ -121,7 +121,11 @@ def make_drafter(args, model, model_path: str):
     if kind == "ngram":
         return mlx_spec.NGramDrafter()
     if kind in ("mtp", "dspark"):  # weights inside the target checkpoint
-        return mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
+        drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
+        k = getattr(args, "num_draft_tokens", "auto")
+        if isinstance(k, int) and k > drafter.max_draft and hasattr(drafter, "set_block"):
+            drafter.set_block(k)  # DeepSeek-V4 DSpark: vLLM's num_speculative_tokens k
+        return drafter
     from pathlib import Path
 
     if Path(kind).expanduser().is_dir():

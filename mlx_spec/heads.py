@@ -31,6 +31,7 @@ LOADERS: dict[str, str] = {
     "mtp": "mlx_spec.drafters.mtp:load_head_folder",  # MTP heads extracted by convert head
     "dflash": "mlx_spec.drafters.dflash:load",
     "dspark": "mlx_spec.drafters.dspark:load",
+    "gemma4_assistant": "mlx_spec.drafters.gemma4_assistant:load",
 }
 # kind -> "module:function(folder, config, model, **options) -> Drafter | None" for target
 # checkpoints that carry drafter weights; None when the folder has none of that kind.
@@ -83,6 +84,10 @@ def load_drafter(path: str | Path, model, kind: str | None = None, **options):
                 if drafter is not None:
                     return drafter
     wanted = f"{kind} weights" if kind else "drafter weights"
+    text = config.get("text_config", config)
+    if kind == "mtp" and any(k.startswith("dspark_") for k in text):
+        raise ValueError(f"{folder} carries DeepSeek-V4 DSpark stages under mtp.*, not an MTP "
+                         "block: use kind 'dspark' (--draft dspark)")
     raise ValueError(
         f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) "
         f"nor a target checkpoint with {wanted}; convert a head with "

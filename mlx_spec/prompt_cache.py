@@ -24,7 +24,7 @@ from typing import Any, Sequence
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-from .cache import CacheRollbackError, _layers, _snapshot_attrs, prepare_cache
+from .cache import POSITIONLESS, CacheRollbackError, _layers, _snapshot_attrs, positions, prepare_cache
 from .identity import IdentityMap
 
 
@@ -68,7 +68,7 @@ def record(cache: list, value: History | None) -> None:
 def history_of(cache: list) -> History | None:
     """What `cache` holds now: its recorded history if its layers still agree with it, an
     empty history for an empty cache, None when unknown (filled by other code)."""
-    offsets = [c.offset for c in _layers(cache) if isinstance(getattr(c, "offset", None), int)]
+    offsets = [n for n in map(positions, _layers(cache)) if n is not None]
     hold = history(cache)
     if hold is not None and all(o == len(hold.tokens) for o in offsets):
         return hold
@@ -77,10 +77,12 @@ def history_of(cache: list) -> History | None:
 
 def _empty(cache: list) -> bool:
     for c in _layers(cache):
-        if isinstance(getattr(c, "offset", None), int):
+        if positions(c) is not None:
             if c.offset:
                 return False
         elif isinstance(c, ArraysCache) and any(x is not None for x in c.cache):
+            return False
+        elif isinstance(c, tuple(POSITIONLESS)) and not c.empty():
             return False
     return True
 

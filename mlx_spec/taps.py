@@ -59,14 +59,55 @@ class _Seen:
 
 
 def decoder_stack(model) -> nn.Module:
-    """The module that owns the decoder-layer list and the final norm."""
-    for cand in (getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None), model):
+    """The module that owns the decoder-layer list and the final norm (`model.model`, or
+    `model.backbone` in mlx-lm's Mamba-style hybrids such as Nemotron-H)."""
+    lm = getattr(model, "language_model", None)
+    for cand in (getattr(model, "model", None), getattr(lm, "model", None), getattr(model, "backbone", None), model):
         if cand is not None and isinstance(getattr(cand, "layers", None), list):
             return cand
     raise ValueError(
         f"cannot find the decoder layers of {type(model).__name__}: taps need an "
         "mlx-lm model whose decoder layers sit in a list (model.model.layers)"
     )
+
+
+def final_norm_name(stack) -> str | None:
+    """The attribute holding the stack's final norm: `norm` (most models), `norm_f` (Nemotron-H)."""
+    return next((n for n in ("norm", "norm_f") if hasattr(stack, n)), None)
+
+
+def embedding(stack) -> nn.Module:
+    """The stack's token embedding: `embed_tokens` (most models), `embeddings` (Nemotron-H)."""
+    for name in ("embed_tokens", "embeddings"):
+        if name in stack:
+            return stack[name]
+    raise ValueError(f"cannot find the token embedding of {type(stack).__name__} (embed_tokens)")
+
+
+def in_pieces(model, calls) -> list:
+    """Run one forward of `model` made of several calls (pieces of the sequence, in
+    order), so that recorders hold the whole forward: each recorded input/output is the
+    concatenation, along the sequence axis, of what the pieces recorded. For targets
+    whose forward splits a block (`mlx_spec.targets.deepseek_v4`). Returns the calls' results."""
+    stack = decoder_stack(model)
+    norm = final_norm_name(stack)
+    recs = [m for m in [*stack.layers, getattr(stack, norm) if norm else None] if isinstance(m, _Recorder)]
+    seen = {id(r): ([], []) for r in recs}
+    results = []
+    for call in calls:
+        results.append(call())
+        for r in recs:
+            if r.keep_input:
+                seen[id(r)][0].append(r.seen.inp)
+            if r.keep_output:
+                seen[id(r)][1].append(r.seen.out)
+    for r in recs:
+        inp, out = seen[id(r)]
+        if inp:
+            r.seen.inp = mx.concatenate(inp, axis=1)
+        if out:
+            r.seen.out = mx.concatenate(out, axis=1)
+    return results
 
 
 class Taps:
@@ -80,7 +121,7 @@ class Taps:
         self._installed: list[tuple[object, object, _Recorder]] = []  # (owner, key, recorder)
         self._where: dict[object, tuple[_Recorder, str]] = {}
         for tid in self.ids:  # all ids are checked before anything is wrapped
-            if tid == FINAL_NORM and not hasattr(self.stack, "norm"):
+            if tid == FINAL_NORM and final_norm_name(self.stack) is None:
                 raise ValueError(f"{type(model).__name__} has no final norm to tap")
             if tid not in (FINAL_NORM, EMBED) and not (isinstance(tid, int) and 0 <= tid < n):
                 raise ValueError(
@@ -89,7 +130,8 @@ class Taps:
                 )
         for tid in self.ids:
             if tid == FINAL_NORM:
-                self._where[tid] = (self._wrap(self.stack, "norm", attr=True, keep_output=True), "out")
+                norm = final_norm_name(self.stack)
+                self._where[tid] = (self._wrap(self.stack, norm, attr=True, keep_output=True), "out")
             elif tid == EMBED:
                 self._where[tid] = (self._wrap(layers, 0, attr=False, keep_input=True), "inp")
             else:

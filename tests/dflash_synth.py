@@ -230,6 +230,9 @@ class Reference:
         for i in range(self.layers):
             p = f"layers.{i}."
             u = self.rms(x, w[p + "input_layernorm.weight"])
+            conv = p + "attention_conv.base_kernel" in w  # DFlash2
+            if conv:
+                u, finish = self.conv(p + "attention_conv.", u)
             q = self.rms((u @ w[p + "self_attn.q_proj.weight"].T).reshape(B, self.nh, self.d),
                          w[p + "self_attn.q_norm.weight"])
             both = np.concatenate([C, u])
@@ -252,11 +255,49 @@ class Reference:
                 s = np.where(seen, s, -np.inf)
                 a = np.exp(s - s.max(-1, keepdims=True))
                 out[:, h] = (a / a.sum(-1, keepdims=True)) @ v[:, kv]
-            x = x + out.reshape(B, -1) @ w[p + "self_attn.o_proj.weight"].T
+            a = out.reshape(B, -1) @ w[p + "self_attn.o_proj.weight"].T
+            x = x + (finish(a) if conv else a)
             m = self.rms(x, w[p + "post_attention_layernorm.weight"])
+            if conv:
+                m, finish = self.conv(p + "mlp_conv.", m)
             g, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
-            x = x + (g / (1 + np.exp(-g)) * up) @ w[p + "mlp.down_proj.weight"].T
+            f = (g / (1 + np.exp(-g)) * up) @ w[p + "mlp.down_proj.weight"].T
+            x = x + (finish(f) if conv else f)
         return self.rms(x, w["norm.weight"])
+
+    def conv(self, p, u):
+        """DFlash2's grouped dynamic convolution around a sublayer: (conv'd input, finish)."""
+        base, proj = self.w[p + "base_kernel"], self.w[p + "kernel_projection.weight"]
+        B, H, taps = u.shape[0], u.shape[1], base.shape[1]
+        G = proj.shape[0] // (2 * taps)
+        coef = (u @ proj.T).reshape(B, 2, taps, G)
+
+        def apply(h, c, b):  # out[t] = sum_{o <= t} (b[o] + c[t, o] per group) * h[t - o]
+            out = np.zeros_like(h)
+            for t in range(B):
+                for o in range(min(taps, t + 1)):
+                    out[t] += (b[o] + np.repeat(c[t, o], H // G)) * h[t - o]
+            return out
+
+        return apply(u, coef[:, 0], base[0]), lambda a: apply(a, coef[:, 1], base[1])
+
+    def dflash2_chain(self, taps_cat, anchor, embed, head, k, top_k, multiplier=1.0, softcap=None):
+        """DFlash2 greedy path: (tokens [k], candidate sets [k, top_k])."""
+        ids = [anchor] + [self.mask] * (self.block - 1)
+        h = self.hidden(taps_cat, embed[ids])[1:k + 1]
+        logits = h @ head.T * multiplier
+        if softcap:
+            logits = np.tanh(logits / softcap) * softcap
+        w, prev, toks, sets = self.w, anchor, [], []
+        hp = h @ w["candidate_selector.hidden_projection.weight"].T
+        for j in range(k):
+            c = np.argsort(-logits[j], kind="stable")[:top_k]
+            s = logits[j][c] + (w["candidate_selector.predecessor_codebook"][prev] * hp[j]) \
+                @ w["candidate_selector.successor_codebook"][c].T
+            prev = int(c[np.argmax(s)])
+            toks.append(prev)
+            sets.append(sorted(c.tolist()))
+        return toks, sets
 
     def dflash_logits(self, taps_cat, anchor, embed, head, multiplier=1.0, softcap=None):
         """DFlash: logits [B-1, V] of the mask rows for `anchor` (raw embedding rows)."""
@@ -265,17 +306,21 @@ class Reference:
         logits = self.hidden(taps_cat, embed[ids])[1:] @ head.T * multiplier
         return np.tanh(logits / softcap) * softcap if softcap else logits
 
-    def dspark_chain(self, taps_cat, anchor, embed, head, k):
-        """DSpark greedy: (tokens [k], step logits [k, V], confidences [k])."""
+    def dspark_chain(self, taps_cat, anchor, embed, head, k, d2t=None, skip=0):
+        """DSpark greedy: (tokens [k], step logits [k, V_d], confidences [k]).
+
+        `d2t` [V_d]: target ids of a reduced draft vocabulary (`head`, W2 over V_d; W1 over
+        the target's); `skip` 1: block row 0 holds the anchor only (speculators' slots)."""
         ids = [anchor] + [self.mask] * (self.block - 1)
-        h = self.hidden(taps_cat, embed[ids])[:k]
+        h = self.hidden(taps_cat, embed[ids])[skip:skip + k]
         U, w = h @ head.T, self.w
         prev, toks, rows, confs = anchor, [], [], []
         for j in range(k):
             e = w["markov_head.markov_w1.weight"][prev]
             s = U[j] + w["markov_head.markov_w2.weight"] @ e
             c = np.concatenate([h[j], e]) @ w["confidence_head.proj.weight"][0] + w["confidence_head.proj.bias"][0]
-            toks.append(int(np.argmax(s)))
+            t = int(np.argmax(s))
+            toks.append(t if d2t is None else int(d2t[t]))
             rows.append(s)
             confs.append(1 / (1 + np.exp(-c)))
             prev = toks[-1]

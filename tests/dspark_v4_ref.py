@@ -155,6 +155,8 @@ class Reference:
 
     def kv(self, p, x, pos):
         kv = self.rope(self.rms(x @ self.w[p + "attn.wkv.weight"].T, self.w[p + "attn.kv_norm.weight"]), pos)
+        if self.rule["kv_fp8"] == "none":  # mlx-vlm's V4 trunk layers keep K/V unrounded
+            return kv
         if self.rule["kv_fp8"] == "all32":
             return fp8_round(kv, 32)
         rd = self.c["qk_rope_head_dim"]
@@ -240,7 +242,8 @@ class Reference:
         return toks, U, np.array(confs)
 
 
-FP8_KEYS = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "shared_experts.", "main_proj.")
+FP8_KEYS = ("attn.wq_a.", "attn.wq_b.", "attn.wkv.", "attn.wo_a.", "attn.wo_b.", "shared_experts.", "main_proj.",
+            "indexer.wq_b.")
 
 
 def packed(w: dict, seed: int = 0, tile: int = 32) -> tuple[dict, dict]:

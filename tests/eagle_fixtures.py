@@ -190,9 +190,12 @@ def _write(folder: Path, cfg: dict, w: dict, config, drop, tweak, fmt: str, pref
 
 def eagle1_checkpoint(folder: Path, H: int, V: int, *, heads=4, kv_heads=2, inter=None, layers=1,
                       fc_bias=True, qkv_bias=False, fmt="bin", prefix="", seed=0, config=None,
-                      drop=(), tweak=None) -> tuple[dict, dict]:
+                      drop=(), tweak=None, hass=False, hass_names=("embedding_layernorm", "hidden_states_layernorm"),
+                      first_norm=False) -> tuple[dict, dict]:
     """An EAGLE-1 head (yuhuili layout); returns (config, {original key: np array}).
 
+    `hass`: a HASS head (`add_para_norm: true`, vLLM `llama_eagle.py`) with the
+    two norms named `hass_names`; `first_norm`: layer 0 keeps its input norm.
     `tweak(weights)` edits the weights in place before they are written.
     """
     rng = np.random.default_rng(seed)
@@ -203,8 +206,13 @@ def eagle1_checkpoint(folder: Path, H: int, V: int, *, heads=4, kv_heads=2, inte
     if fc_bias:
         w["fc.bias"] = (0.1 * rng.normal(size=H)).astype(np.float32)
     for i in range(layers):
-        w.update(_layer(rng, f"layers.{i}", H, H, I, heads, kv_heads, d, input_norm=i > 0, qkv_bias=qkv_bias))
+        w.update(_layer(rng, f"layers.{i}", H, H, I, heads, kv_heads, d, input_norm=i > 0 or first_norm,
+                        qkv_bias=qkv_bias))
     cfg = {"architectures": ["LlamaForCausalLM"], **_dims(H, heads, kv_heads, I, layers, V), "bias": fc_bias}
+    if hass:
+        for name in hass_names:
+            w[f"{name}.weight"] = (1 + 0.2 * rng.normal(size=H)).astype(np.float32)
+        cfg["add_para_norm"] = True
     if qkv_bias:
         cfg["qkv_bias"] = True
     return _write(folder, cfg, w, config, drop, tweak, fmt, prefix)
@@ -321,9 +329,15 @@ def ref_eagle1(w, cfg, E, tokens_next, feats, chain_tokens=()):
     w = {k: np.asarray(v, np.float64) for k, v in w.items()}
     nh, nkv, L = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
 
+    en, hn = (w.get(f"{a}.weight", w.get(f"{b}.weight")) for a, b in (("embedding_layernorm", "enorm"),
+                                                                       ("hidden_states_layernorm", "hnorm")))
+
     def step(e, f):
+        if en is not None:  # HASS add_para_norm (vLLM llama_eagle.py): norm both inputs of fc
+            e, f = rms(e, en), rms(f, hn)
         z = np.concatenate([e, f], -1) @ w["fc.weight"].T + w.get("fc.bias", 0)
-        h = z + attention(z, w, "layers.0", nh, nkv)  # layer 0: no input norm
+        n0 = w.get("layers.0.input_layernorm.weight")  # absent in EAGLE-1: no input norm on layer 0
+        h = z + attention(z if n0 is None else rms(z, n0), w, "layers.0", nh, nkv)
         h = h + mlp(rms(h, w["layers.0.post_attention_layernorm.weight"]), w, "layers.0")
         for i in range(1, L):
             h = std_layer(h, w, f"layers.{i}", nh, nkv)

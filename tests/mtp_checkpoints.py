@@ -52,6 +52,24 @@ CONFIGS = {
         first_k_dense_replace=61, max_position_embeddings=4096, rms_norm_eps=1e-6,
         rope_theta=10000.0, rope_scaling=None, attention_bias=False, num_nextn_predict_layers=1,
         tie_word_embeddings=False),
+    # GLM-4.7-Flash: DeepSeek-V3's MLA (kv_b_proj) in GLM's MoE, the MTP module at layer N.
+    "glm4_moe_lite": lambda v: dict(
+        model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"], vocab_size=v,
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1, n_routed_experts=4,
+        routed_scaling_factor=1.8, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid",
+        norm_topk_prob=True, n_group=1, topk_group=1, num_experts_per_tok=2, moe_layer_freq=1,
+        first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, attention_bias=False, partial_rotary_factor=1.0,
+        tie_word_embeddings=False, num_nextn_predict_layers=1),
+    # DeepSeek-V3.2 and GLM-5 (DSA): MLA plus the lightning indexer. index_topk exceeds every
+    # test sequence, so attention stays dense (the indexer only runs and caches its keys).
+    "deepseek_v32": lambda v: {**_DSA(v), "model_type": "deepseek_v32",
+                               "architectures": ["DeepseekV32ForCausalLM"]},
+    "glm_moe_dsa": lambda v: {**_DSA(v), "model_type": "glm_moe_dsa", "architectures": ["GlmMoeDsaForCausalLM"],
+                              "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+                              "indexer_rope_interleave": True},
     "glm4_moe": lambda v: dict(
         model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=v, hidden_size=64,
         intermediate_size=128, max_position_embeddings=4096, moe_intermediate_size=32,
@@ -71,12 +89,39 @@ CONFIGS = {
         moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=v, rope_theta=10000.0,
         partial_rotary_factor=0.25, max_position_embeddings=4096, norm_topk_prob=True,
         tie_word_embeddings=False, full_attention_interval=2, num_nextn_predict_layers=1),
+    # Nemotron-H (Nemotron 3 Super layout): Mamba, attention (no RoPE) and ReLU² MoE blocks;
+    # the MTP module is an attention block then a MoE block (`mtp_hybrid_override_pattern`).
+    "nemotron_h": lambda v: dict(
+        model_type="nemotron_h", architectures=["NemotronHForCausalLM"], vocab_size=v, hidden_size=64,
+        intermediate_size=128, max_position_embeddings=4096, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, attention_bias=False, mamba_num_heads=4,
+        mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16, conv_kernel=4, n_groups=2,
+        mlp_bias=False, layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+        hybrid_override_pattern="M*E", moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, n_group=1, n_routed_experts=4, n_shared_experts=1,
+        topk_group=1, num_experts_per_tok=2, norm_topk_prob=True, routed_scaling_factor=1.5,
+        tie_word_embeddings=False, num_nextn_predict_layers=1, mtp_hybrid_override_pattern="*E"),
     "mimo": lambda v: dict(
         model_type="mimo", architectures=["MiMoForCausalLM"], hidden_size=64, num_hidden_layers=2,
         intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
         vocab_size=v, max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
         num_nextn_predict_layers=1),
 }
+
+
+def _DSA(v):
+    return dict(vocab_size=v, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.5, kv_lora_rank=16,
+                q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, n_group=1,
+                topk_group=1, num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0,
+                rope_scaling=None, attention_bias=False, index_head_dim=16, index_n_heads=2,
+                index_topk=512, num_nextn_predict_layers=1, tie_word_embeddings=False)
+
+
+MLA = ("deepseek_v3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")  # kv_b_proj attention
 
 
 def text(config: dict) -> dict:
@@ -93,11 +138,11 @@ def _main_model(family: str, config: dict, rng, residual: float, sharpen: float)
         a = np.array(w, dtype=np.float32)
         if k.endswith("norm.weight") and a.ndim == 1 and "linear_attn" not in k:
             a = 1.0 + 0.1 * rng.standard_normal(a.shape)
-        elif any(s in k for s in ("o_proj", "down_proj", "out_proj")):
+        elif any(s in k for s in ("o_proj", "down_proj", "out_proj", "fc2")):
             a = a * residual
         elif k.endswith("lm_head.weight"):
             a = a * sharpen
-        elif k.endswith("embed_tokens.weight"):
+        elif k.endswith(("embed_tokens.weight", "embeddings.weight")):
             a = a * 8.0  # the token's own embedding dominates the residual stream
         params[k] = mx.array(a.astype(np.float32))
     model.update(tree_unflatten(list(params.items())))
@@ -113,6 +158,13 @@ def _to_hf(family: str, config: dict, params: dict) -> dict:
             for e in range(w.shape[0]):
                 out[k.replace(".switch_mlp.", f".experts.{e}.")] = w[e]
             continue
+        if family == "nemotron_h" and ".switch_mlp." in k:  # fc1/fc2 -> experts.{e}.up/down_proj
+            for e in range(w.shape[0]):
+                name = k.replace(".switch_mlp.", f".experts.{e}.")
+                out[name.replace(".fc1.", ".up_proj.").replace(".fc2.", ".down_proj.")] = w[e]
+            continue
+        if family == "nemotron_h" and "conv1d.weight" in k:
+            w = w.moveaxis(2, 1)  # [C, K, 1] -> [C, 1, K]
         if family in QWEN:
             norm = k.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight",
                                "model.norm.weight", ".q_norm.weight", ".k_norm.weight"))
@@ -122,13 +174,13 @@ def _to_hf(family: str, config: dict, params: dict) -> dict:
                 w = w.moveaxis(2, 1)  # [C, K, 1] -> [C, 1, K]
             k = k.replace("language_model.model.", "model.language_model.").replace(
                 "language_model.lm_head.", "lm_head.")
-        if family == "deepseek_v3" and k.endswith("self_attn.embed_q.weight"):
+        if family in MLA and k.endswith("self_attn.embed_q.weight"):
             t = text(config)
             wv = params[k.replace("embed_q", "unembed_out")]
             kv_b = mx.concatenate([w.swapaxes(-1, -2), wv], axis=1)  # [nh, nope + v, kv_lora]
             out[k.replace("embed_q", "kv_b_proj")] = kv_b.reshape(-1, t["kv_lora_rank"])
             continue
-        if family == "deepseek_v3" and k.endswith("self_attn.unembed_out.weight"):
+        if family in MLA and k.endswith("self_attn.unembed_out.weight"):
             continue
         out[k] = w
     return out
@@ -141,7 +193,7 @@ def _block_shapes(family: str, t: dict) -> dict:
     nh, nkv = t["num_attention_heads"], t["num_key_value_heads"]
     d = t.get("head_dim") or H // nh
     s = {"input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,)}
-    if family == "deepseek_v3":
+    if family in MLA:
         qd = t["qk_nope_head_dim"] + t["qk_rope_head_dim"]
         s.update({
             "self_attn.q_a_proj.weight": (t["q_lora_rank"], H),
@@ -152,6 +204,11 @@ def _block_shapes(family: str, t: dict) -> dict:
             "self_attn.kv_b_proj.weight": (nh * (t["qk_nope_head_dim"] + t["v_head_dim"]), t["kv_lora_rank"]),
             "self_attn.o_proj.weight": (H, nh * t["v_head_dim"]),
         })
+        if "index_topk" in t:  # the DSA lightning indexer
+            ih, idim = t["index_n_heads"], t["index_head_dim"]
+            s.update({"self_attn.indexer.wq_b.weight": (ih * idim, t["q_lora_rank"]),
+                      "self_attn.indexer.wk.weight": (idim, H), "self_attn.indexer.k_norm.weight": (idim,),
+                      "self_attn.indexer.k_norm.bias": (idim,), "self_attn.indexer.weights_proj.weight": (ih, H)})
     else:
         q_out = 2 * nh * d if family in QWEN else nh * d  # Qwen: query + output gate
         s.update({"self_attn.q_proj.weight": (q_out, H), "self_attn.k_proj.weight": (nkv * d, H),
@@ -183,6 +240,23 @@ def _block_shapes(family: str, t: dict) -> dict:
     return s
 
 
+def _nemotron_mtp_shapes(t: dict) -> dict:
+    """`mtp.layers.{i}.*` of a Nemotron-H checkpoint with pattern "*E" (vLLM nemotron_h_mtp.py)."""
+    H, nh, nkv, d = t["hidden_size"], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+    E, Im, Is = t["n_routed_experts"], t["moe_intermediate_size"], t["moe_shared_expert_intermediate_size"]
+    s = {"layers.0.enorm.weight": (H,), "layers.0.hnorm.weight": (H,), "layers.0.eh_proj.weight": (H, 2 * H),
+         "layers.0.norm.weight": (H,), "layers.0.mixer.q_proj.weight": (nh * d, H),
+         "layers.0.mixer.k_proj.weight": (nkv * d, H), "layers.0.mixer.v_proj.weight": (nkv * d, H),
+         "layers.0.mixer.o_proj.weight": (H, nh * d), "layers.1.norm.weight": (H,),
+         "layers.1.mixer.gate.weight": (E, H), "layers.1.mixer.gate.e_score_correction_bias": (E,),
+         "layers.1.mixer.shared_experts.up_proj.weight": (Is, H),
+         "layers.1.mixer.shared_experts.down_proj.weight": (H, Is), "layers.1.final_layernorm.weight": (H,)}
+    for e in range(E):
+        s[f"layers.1.mixer.experts.{e}.up_proj.weight"] = (Im, H)
+        s[f"layers.1.mixer.experts.{e}.down_proj.weight"] = (H, Im)
+    return s
+
+
 def _random(rng, key: str, shape, offset_norms: bool, residual: float) -> np.ndarray:
     if key.endswith("norm.weight") or "layernorm" in key:
         noise = 0.1 * rng.standard_normal(shape)
@@ -197,6 +271,13 @@ def _mtp_tensors(family: str, config: dict, hf: dict, rng, residual: float, glm4
     t = text(config)
     H = t["hidden_size"]
     qwen = family in QWEN
+    if family == "nemotron_h":
+        out = {"mtp." + k: _random(rng, k, s, False, residual) for k, s in _nemotron_mtp_shapes(t).items()}
+        noise = 0.3 * rng.standard_normal((H, H)) / np.sqrt(H)
+        out["mtp.layers.0.eh_proj.weight"] = np.concatenate([np.eye(H), noise], axis=1)
+        out["mtp.layers.1.final_layernorm.weight"] = (np.array(hf["backbone.norm_f.weight"])
+                                                      + 0.02 * rng.standard_normal(H))
+        return {k: mx.array(np.asarray(v, np.float32)) for k, v in out.items()}
     block = {k: _random(rng, k, s, qwen, residual) for k, s in _block_shapes(family, t).items()}
     # The projection passes the next token's embedding through, plus a little of h.
     eye, noise = np.eye(H), 0.3 * rng.standard_normal((H, H)) / np.sqrt(H)

@@ -116,14 +116,17 @@ def qwen3_5_block(W, t, x, pos):
     return x + ffn(W, t, rms(x, W["post_attention_layernorm.weight"], eps, offset=True))
 
 
-def deepseek_v3_block(W, t, x, pos):
+def deepseek_v3_block(W, t, x, pos, lora_eps=1e-6):
+    """MLA + MoE. DeepSeek-V3/V3.2 and GLM-5 norm the LoRA latents with eps 1e-6, GLM-4.7-Flash
+    with rms_norm_eps. DSA's indexer picks keys only past index_topk: dense here."""
     T, nh, eps = x.shape[0], t["num_attention_heads"], t["rms_norm_eps"]
     nope, rd, vd, kvl = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"], t["kv_lora_rank"]
+    assert T <= t.get("index_topk", T), "the reference has no sparse DSA selection"
     h = rms(x, W["input_layernorm.weight"], eps)
-    q = rms(h @ W["self_attn.q_a_proj.weight"].T, W["self_attn.q_a_layernorm.weight"], 1e-6)
+    q = rms(h @ W["self_attn.q_a_proj.weight"].T, W["self_attn.q_a_layernorm.weight"], lora_eps)
     q = (q @ W["self_attn.q_b_proj.weight"].T).reshape(T, nh, nope + rd)
     kv = h @ W["self_attn.kv_a_proj_with_mqa.weight"].T
-    latent = rms(kv[:, :kvl], W["self_attn.kv_a_layernorm.weight"], 1e-6)
+    latent = rms(kv[:, :kvl], W["self_attn.kv_a_layernorm.weight"], lora_eps)
     k_pe = rope(kv[:, None, kvl:], pos, rd, t["rope_theta"], True)  # one rope key shared by heads
     kvb = (latent @ W["self_attn.kv_b_proj.weight"].T).reshape(T, nh, nope + vd)
     q = np.concatenate([q[..., :nope], rope(q[..., nope:], pos, rd, t["rope_theta"], True)], -1)
@@ -151,6 +154,33 @@ def plain_block(W, t, x, pos, rope_dims, qk_norm):
     return x + ffn(W, t, rms(x, W["post_attention_layernorm.weight"], eps))
 
 
+def relu2(x):
+    return np.maximum(x, 0.0) ** 2
+
+
+def nemotron_block(W, t, x, p):
+    """One Nemotron-H block `x + mixer(norm(x))`: attention without RoPE ("*") or the
+    ReLU² MoE ("E": sigmoid router with correction bias, one shared expert)."""
+    h = rms(x, W[p + "norm.weight"], t["layer_norm_epsilon"])
+    m = p + "mixer."
+    if m + "q_proj.weight" in W:
+        T, nh, nkv, d = x.shape[0], t["num_attention_heads"], t["num_key_value_heads"], t["head_dim"]
+        q, k, v = ((h @ W[m + f"{n}_proj.weight"].T).reshape(T, heads, d)
+                   for n, heads in (("q", nh), ("k", nkv), ("v", nkv)))
+        return x + attend(q, k, v, d ** -0.5) @ W[m + "o_proj.weight"].T
+    scores = sigmoid(h @ W[m + "gate.weight"].T)
+    pick = np.argsort(-(scores + W[m + "gate.e_score_correction_bias"]), -1)[:, : t["num_experts_per_tok"]]
+    w = np.take_along_axis(scores, pick, -1)
+    w = w / w.sum(-1, keepdims=True) * t["routed_scaling_factor"]
+    y = np.zeros_like(x)
+    for i in range(x.shape[0]):
+        for j, e in enumerate(pick[i]):
+            up = relu2(h[i] @ W[m + f"experts.{e}.up_proj.weight"].T)
+            y[i] += w[i, j] * (up @ W[m + f"experts.{e}.down_proj.weight"].T)
+    shared = relu2(h @ W[m + "shared_experts.up_proj.weight"].T) @ W[m + "shared_experts.down_proj.weight"].T
+    return x + y + shared
+
+
 class Reference:
     """The MTP module of a checkpoint written by `mtp_checkpoints.write`."""
 
@@ -159,14 +189,18 @@ class Reference:
         self.t = ckpts.text(json.loads((Path(folder) / "config.json").read_text()))
         P = ckpts.main_params(folder)
         embed = P.get("model.language_model.embed_tokens.weight", P.get("model.embed_tokens.weight"))
+        embed = P.get("backbone.embeddings.weight", embed)  # Nemotron-H
         head = P["lm_head.weight"]
-        pre = {"qwen3_5": "mtp.", "qwen3_next": "mtp.", "mimo": "model.mtp_layers.0."}.get(
-            family, f"model.layers.{self.t['num_hidden_layers']}.")
+        pre = {"qwen3_5": "mtp.", "qwen3_next": "mtp.", "mimo": "model.mtp_layers.0.", "nemotron_h": "mtp."}.get(
+            family) or f"model.layers.{self.t['num_hidden_layers']}."
         W = {k[len(pre):]: v for k, v in P.items() if k.startswith(pre)}
         if family in ckpts.QWEN:
             self.enorm, self.hnorm = W["pre_fc_norm_embedding.weight"], W["pre_fc_norm_hidden.weight"]
             self.proj, self.norm = W["fc.weight"], W["norm.weight"]
             self.block = {k[len("layers.0."):]: v for k, v in W.items() if k.startswith("layers.0.")}
+        elif family == "nemotron_h":
+            self.enorm, self.hnorm, self.proj = W["layers.0.enorm.weight"], W["layers.0.hnorm.weight"], W["layers.0.eh_proj.weight"]
+            self.norm, self.block = W["layers.1.final_layernorm.weight"], W
         elif family == "mimo":
             self.enorm, self.hnorm = W["token_layernorm.weight"], W["hidden_layernorm.weight"]
             self.proj, self.norm, self.block = W["input_proj.weight"], W["final_layernorm.weight"], W
@@ -179,10 +213,15 @@ class Reference:
 
     def _block(self, u, pos):
         t, f = self.t, self.family
+        if f == "nemotron_h":
+            for i in range(len(t["mtp_hybrid_override_pattern"])):
+                u = nemotron_block(self.block, t, u, f"layers.{i}.")
+            return u
         if f in ckpts.QWEN:
             return qwen3_5_block(self.block, t, u, pos)  # the same gated attention layer
-        if f == "deepseek_v3":
-            return deepseek_v3_block(self.block, t, u, pos)
+        if f in ckpts.MLA:
+            return deepseek_v3_block(self.block, t, u, pos,
+                                     t["rms_norm_eps"] if f == "glm4_moe_lite" else 1e-6)
         d = t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"]
         dims = int(d * t.get("partial_rotary_factor", 1.0))
         return plain_block(self.block, t, u, pos, dims, qk_norm=t.get("use_qk_norm", False))
@@ -190,9 +229,9 @@ class Reference:
     def forward(self, hidden, tokens):
         """hidden [T, H] at positions 0..T-1, tokens [T] = x_{1..T}: (logits, o, g)."""
         hidden, tokens = np.asarray(hidden, np.float64), np.asarray(tokens)
-        eps, qwen = self.t["rms_norm_eps"], self.family in ckpts.QWEN
+        eps, qwen = self.t.get("rms_norm_eps", self.t.get("layer_norm_epsilon")), self.family in ckpts.QWEN
         e = self.embed[tokens]
-        if not qwen:
+        if not qwen and self.family != "nemotron_h":  # Nemotron-H masks no position
             e = e.copy()
             e[0] = 0.0  # position 0 carries no token embedding (DeepSeek, GLM, MiMo)
         a, b = rms(e, self.enorm, eps, qwen), rms(hidden, self.hnorm, eps, qwen)

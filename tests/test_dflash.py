@@ -307,7 +307,21 @@ BAD = {
     "mask outside vocab": (lambda c: c["dflash_config"].update(mask_token_id=500), None, "mask_token_id"),
     "other width": (lambda c: c.update(hidden_size=32), None, "wide"),
     "other vocab": (lambda c: c.update(vocab_size=1000), None, "vocab_size"),
+    "laguna": (lambda c: c.update(model_type="laguna", gating="per-head"), None, "Laguna DFlash head .*self_attn.g_proj"),
+    "laguna gate tensor": (None, lambda w: w.update({"layers.0.self_attn.g_proj.weight": np.zeros((4, 64), np.float32)}),
+                           "Laguna DFlash head"),
 }
+
+
+def test_format_auto_names_why_laguna_heads_are_refused(tmp_path):
+    src = tmp_path / "laguna"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({**S.zlab_config(2, [0, 2], 4), "model_type": "laguna",
+                                                 "gating": "per-head"}))
+    w = S.network_weights(np.random.default_rng(0), 2, 2)
+    mx.save_safetensors(str(src / "model.safetensors"), {k: mx.array(v) for k, v in w.items()})
+    with pytest.raises(ValueError, match="Laguna DFlash head"):
+        head_cli.detect(src)
 
 
 @pytest.mark.parametrize("case", list(BAD))

@@ -104,7 +104,7 @@ BAD = {
     "other target depth": (dict(num_target_layers=36), "36-layer target"),
     "final layer": (dict(target_layer_ids=[-1, 3]), "last layer"),
     "no layer ids": (dict(target_layer_ids=[]), "no target_layer_ids"),
-    "gemma layout": (dict(architectures=["Gemma4DSparkModel"]), "Gemma-4 DSpark"),
+    "gemma layout": (dict(architectures=["Gemma4DSparkModel"]), "Gemma 4 DSpark head .* builds only the Qwen3"),
 }
 
 

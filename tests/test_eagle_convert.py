@@ -235,3 +235,55 @@ def test_load_refuses_a_head_for_another_target(tmp_path, tgt):
     other = tiny.llama_model(layers=4)
     with pytest.raises(ValueError, match="num_hidden_layers: head made for 6, target has 4"):
         mlx_spec.load_drafter(out, other)
+
+
+def test_hass_head_round_trip_and_auto_detection(tmp_path, tgt):
+    _, w = eagle1_checkpoint(tmp_path / "src", H, V, hass=True, first_norm=True)
+    assert head_cli.detect(tmp_path / "src") == "eagle"
+    out = v1.convert(tmp_path / "src", tmp_path / "out", tgt)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["add_para_norm"] and cfg["first_input_norm"]
+    got = mx.load(str(out / "model.safetensors"))
+    np.testing.assert_array_equal(np.array(got["hidden_states_layernorm.weight"]), w["hidden_states_layernorm.weight"])
+    assert "layers.0.input_layernorm.weight" in got
+
+
+def test_layer0_input_norm_without_hass_is_refused(tmp_path, tgt):
+    eagle1_checkpoint(tmp_path / "src", H, V, first_norm=True, config={"add_para_norm": True},
+                      drop=[])  # flag says HASS but the norms are missing
+    _bad(tmp_path, tgt, "eagle", "says add_para_norm=True but the checkpoint lacks embedding_layernorm")
+
+
+def _speculators_eagle1(src):
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"speculators_model_type": "eagle", "layernorms": True,
+                                                 "transformer_layer_config": {"hidden_size": H}}))
+    mx.save_safetensors(str(src / "model.safetensors"), {"fusion_fc.weight": mx.zeros((H, 2 * H)),
+                                                         "pre_lm_head_layernorm.weight": mx.ones((H,))})
+
+
+def _sglang_multilayer(src, names):
+    eagle3_checkpoint(src, H, V)
+    extra = {f"{n}.self_attn.q_proj.weight": mx.zeros((H, H)) for n in names}
+    mx.save_safetensors(str(src / "extra.safetensors"), extra)
+
+
+@pytest.mark.parametrize("make, fmt, match", [
+    (_speculators_eagle1, "eagle", "speculators EAGLE-1/HASS head .* disagree on where its pre_lm_head_layernorm"),
+    (lambda s: _sglang_multilayer(s, ["additional_layers.0", "additional_layers.1"]), "eagle3",
+     r"3 layers in SGLang's multi-layer EAGLE-3 layout .* restarts the residual"),
+    (lambda s: _sglang_multilayer(s, ["midlayers.0", "midlayers.1"]), "eagle3",
+     r"2 layers in a multi-layer EAGLE-3 layout with every layer named midlayers.*re-reads the token embedding"),
+])
+def test_recognised_but_unsupported_layouts_say_why(tmp_path, tgt, make, fmt, match, capsys):
+    make(tmp_path / "src")
+    with pytest.raises(ValueError, match=match):  # --format auto
+        head_cli.detect(tmp_path / "src")
+    _bad(tmp_path, tgt, fmt, match)  # the format named explicitly
+    assert cli_main(["convert", "head", str(tmp_path / "src"), str(tmp_path / "out"), "--target", str(tgt)]) == 2
+    assert "not" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_layer0_input_norm_is_refused_outside_hass(tmp_path, tgt):
+    eagle1_checkpoint(tmp_path / "src", H, V, first_norm=True)
+    _bad(tmp_path, tgt, "eagle", "layer 0 has an input_layernorm, which EAGLE-1/2 heads lack")

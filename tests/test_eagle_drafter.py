@@ -56,6 +56,8 @@ def _softmax(x):
 
 CASES = {
     "eagle1": ("eagle", dict(layers=2, fc_bias=True, qkv_bias=True, fmt="bin")),
+    "hass": ("eagle", dict(layers=2, hass=True, first_norm=True, fmt="safetensors")),
+    "hass-vllm-v0-names": ("eagle", dict(hass=True, hass_names=("enorm", "hnorm"))),
     "eagle3-yuhuili": ("eagle3", dict(V_d=50)),
     "eagle3-speculators-options": ("eagle3", dict(
         layout="speculators", layers=2, qk_norm=True, norm_before_fc=True, fc_norm=True, V_d=70,

@@ -36,8 +36,13 @@ LAYOUTS = {  # case -> (family, write() options)
     "glm4.6": ("glm4_moe", {"glm46": True}),  # no shared_head.head / embed_tokens in the module
     "mimo": ("mimo", {}),
     "qwen3_next": ("qwen3_next", {}),  # MoE MTP layer, per-expert keys
+    "glm4.7-flash": ("glm4_moe_lite", {}),  # MLA attention in GLM's MoE
+    "deepseek_v3.2": ("deepseek_v32", {}),  # DSA: the block caches [KV, indexer keys]
+    "glm5": ("glm_moe_dsa", {"glm46": True}),  # GLM-5: DSA, no embed/head copies (vLLM PR #27597)
+    "nemotron_h": ("nemotron_h", {}),  # Mamba target; MTP = attention block + ReLU² MoE block
 }
-FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo", "qwen3_next"]  # deepseek_v3 has 61 layers: fewer tokens
+FAST = ["qwen3_5", "glm4.5", "glm4.6", "mimo", "qwen3_next", "glm4.7-flash", "deepseek_v3.2", "glm5",
+        "nemotron_h"]  # deepseek_v3 has 61 layers: fewer tokens
 _loaded: dict = {}
 
 
@@ -233,6 +238,16 @@ def test_family_table_covers_the_documented_layouts():
     assert FAMILIES["mimo"].embed_first is False  # hidden first
     assert all(FAMILIES[f].embed_first for f in ("deepseek_v3", "glm4_moe", "qwen3_5", "qwen3_next"))
     assert not FAMILIES["qwen3_5"].mask_first_position and FAMILIES["deepseek_v3"].mask_first_position
+    assert not FAMILIES["nemotron_h"].mask_first_position  # vLLM nemotron_h_mtp.py masks nothing
+
+
+def test_nemotron_pattern_is_read_and_checked():
+    from mlx_spec.drafters.mtp.nemotron_h import pattern_of
+
+    assert pattern_of({"mtp_hybrid_override_pattern": "*E"}) == "*E"
+    assert pattern_of({"text_config": {"mtp_layers_block_type": ["attention", "moe"]}}) == "*E"
+    with pytest.raises(ValueError, match="mtp_hybrid_override_pattern made of"):
+        pattern_of({"mtp_hybrid_override_pattern": "M*"})  # a Mamba block in the module
 
 
 def test_fused_qwen3_5_moe_experts_become_switch_mlp():

@@ -32,7 +32,8 @@ def proposals(drafter, model, tok, k=4):
 
 
 @pytest.mark.parametrize("family,opts", [("qwen3_5", {}), ("deepseek_v3", {}), ("glm4_moe", {"glm46": True}),
-                                         ("mimo", {})], ids=["qwen3_5", "deepseek_v3", "glm4.6", "mimo"])
+                                         ("mimo", {}), ("nemotron_h", {})],
+                         ids=["qwen3_5", "deepseek_v3", "glm4.6", "mimo", "nemotron_h"])
 def test_extracted_head_drafts_like_the_checkpoints_own(tmp_path, family, opts):
     src = ckpts.write(tmp_path / "src", family, **opts)
     model, tok = load(str(src))

@@ -13,8 +13,9 @@ ids from each checkpoint's convention into mlx-spec tap ids (SafeAILab/EAGLE `ea
 
 Invariant: every check runs before anything is written; a mismatch with the
 target raises `ConversionError` naming the field, the head's value and the
-target's. Non-goals: HASS (`add_para_norm`) heads, speculators' EAGLE-1
-layout (`fusion_fc`), multi-branch (`midlayers.{i}`) SGLang drafts.
+target's. Layouts recognised but refused, each with the reason
+(`unsupported`): speculators' EAGLE-1/HASS layout (`fusion_fc`), SGLang's
+multi-layer EAGLE-3 drafts (`additional_layers.{j}` and `midlayers.{i}`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,57 @@ def target_config(target) -> dict:
         if not isinstance(text.get(key, config.get(key)), int):
             raise ConversionError(f"--target {target}: its config.json has no {key}; is it a language model?")
     return config
+
+
+def unsupported(config: dict, tensor_names) -> str | None:
+    """Why a recognised head layout cannot be loaded (None when it is not one of those).
+
+    Each case names what mlx-spec would need and why it does not guess:
+    * speculators' EAGLE-1/HASS layout: speculators (the producer,
+      `models/eagle.py`) applies `pre_lm_head_layernorm` before the LM head and
+      keeps layer 0's input norm, while vLLM (`llama_eagle.py`) loads the same
+      tensor as `hidden_states_layernorm` on the incoming feature and drops the
+      input norm: the two disagree on the forward, so there is no reference.
+    * SGLang multi-layer EAGLE-3 (`llama_eagle3.py`: `midlayer` plus
+      `additional_layers.{j}`): every later layer restarts its residual from the
+      previous layer's MLP output, unlike the speculators/vLLM multi-layer heads
+      mlx-spec reads (`layers.{i}`, residual carried through); no trainer
+      publishes checkpoints for that forward.
+    * `midlayers.{i}` (a MiniCPM-SALA EAGLE-3 draft for SGLang): every layer
+      re-reads the token embedding (2H-wide attention input); SGLang's own
+      EAGLE-3 model does not load these names either.
+    """
+    names = {n[len("model."):] if n.startswith("model.") else n for n in tensor_names}
+    if config.get("speculators_model_type") == "eagle" or "fusion_fc.weight" in names:
+        return (
+            "this is a speculators EAGLE-1/HASS head (fusion_fc, transformer.*): speculators and "
+            "vLLM disagree on where its pre_lm_head_layernorm applies (before the LM head vs on the "
+            "incoming feature), so mlx-spec does not load it. Missing: a reference forward both agree "
+            "on. HASS heads in the SafeAILab layout (fc, layers.*; add_para_norm) convert with "
+            "--format eagle."
+        )
+    for prefix, what in (("additional_layers.", "SGLang's multi-layer EAGLE-3 layout (midlayer + additional_layers.{j})"),
+                         ("midlayers.", "a multi-layer EAGLE-3 layout with every layer named midlayers.{i}")):
+        n = len({k.split(".")[1] for k in names if k.startswith(prefix)})
+        if n:
+            extra = 1 if prefix == "additional_layers." else 0
+            return (
+                f"this EAGLE-3 head has {n + extra} layers in {what}. mlx-spec reads one midlayer, or "
+                "speculators' layers.{i} (layer 0 reads the embedding and the feature, later layers are "
+                "ordinary with the residual carried through). In SGLang's multi-layer forward each later "
+                "layer restarts the residual from the previous layer's MLP output"
+                + (" and every layer re-reads the token embedding" if not extra else "")
+                + "; that forward is not implemented. If the head was trained with speculators/vLLM "
+                "semantics, re-save its layers as layers.{i}.* and convert with --format eagle3."
+            )
+    return None
+
+
+def refuse_unsupported(config: dict, tensor_names) -> None:
+    """Raise `ConversionError` for a layout `unsupported` names."""
+    reason = unsupported(config, tensor_names)
+    if reason:
+        raise ConversionError(reason)
 
 
 def target_dims(config: dict) -> tuple[int, int, int]:

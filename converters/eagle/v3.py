@@ -33,7 +33,7 @@ from ..common import ConversionError, check_shapes, rename
 from . import (
     convert_with,
     flag, from_input_of_layer, from_output_of_layer, layer_fields, layer_shapes,
-    mlx_spec_block, require, strip_model_prefix, target_dims,
+    mlx_spec_block, refuse_unsupported, require, strip_model_prefix, target_dims,
 )
 
 # checkpoint key (after `midlayer.` -> `layers.0.`) -> head key (None: dropped on purpose)
@@ -101,6 +101,7 @@ def _draft_to_target(d2t, V_d: int, V_t: int) -> mx.array:
 def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     """(head config, head weights) from a checkpoint's config and tensors; raises on any mismatch."""
     H_t, N_t, V_t = target_dims(target)
+    refuse_unsupported(cfg, weights)
     weights = strip_model_prefix(weights)
     lc, layout, n_layers = _layer_config(cfg, weights)
     weights = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): v for k, v in weights.items()}

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
-from ..taps import EMBED, FINAL_NORM, decoder_stack
+from ..taps import EMBED, FINAL_NORM, decoder_stack, embedding
 
 PREFILL_CHUNK = 512  # prompt positions a drafter consumes per forward in prefill (bounds its peak memory)
 
@@ -192,7 +192,7 @@ def target_lm_head(model):
     for owner in (model, getattr(model, "language_model", None)):
         if owner is not None and "lm_head" in owner:
             return owner["lm_head"]
-    return decoder_stack(model).embed_tokens.as_linear
+    return embedding(decoder_stack(model)).as_linear
 
 
 def vocab_size(model) -> int:
@@ -255,7 +255,7 @@ def check_target(
         if bad:
             problems.append(f"reads target layers {bad}, but the target has {n} decoder layers (0..{n - 1})")
     if hidden_size is not None:
-        width = decoder_stack(model).embed_tokens(mx.array([0])).shape[-1]  # shape only: nothing is computed
+        width = embedding(decoder_stack(model))(mx.array([0])).shape[-1]  # shape only: nothing is computed
         if width != hidden_size:
             problems.append(f"{hidden_size} wide, but the target's embeddings are {width} wide")
     if vocab is not None or token_ids:

@@ -39,7 +39,13 @@ DeepSeek-V4's in-checkpoint DSpark stages (`mtp.*`, `probe_target`) live in
 `dspark_v4`; both drafters take the Markov chain, the confidences and the cut
 from `spark_chain.SparkChain`, and only this one builds on DFlash's network.
 
-Non-goals: the `gated`/`rnn` Markov variants, reduced draft vocabularies.
+Reduced draft vocabularies (`d2t`: the LM head and W2 speak V_d draft ids, W1 is indexed by
+target ids) draft in V_d and map each token through `draft_to_target`; q is scattered into
+the target's vocabulary with zeros elsewhere, so rejection sampling stays exact.
+speculators' checkpoints may keep row 0 for the anchor only (`sample_from_anchor: false`):
+rows 1..B-1 then draft, B-1 tokens, d_0's Markov predecessor still y.
+
+Non-goals: the `gated`/`rnn` Markov variants.
 """
 
 from __future__ import annotations
@@ -49,8 +55,8 @@ from typing import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..taps import decoder_stack
-from .base import MAX_DRAFT, SavesState, target_lm_head
+from ..taps import decoder_stack, embedding
+from .base import MAX_DRAFT, SavesState, check_target, target_lm_head
 from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
 from .dflash.drafter import block_inputs, check_block_target
 from .dspark_v4 import probe as probe_v4
@@ -68,9 +74,9 @@ class SparkHeads(nn.Module):
         if spark.own_embeddings:
             self.embed_tokens = nn.Embedding(V, H)
         if spark.own_lm_head:
-            self.lm_head = nn.Linear(H, V, bias=False)
+            self.lm_head = nn.Linear(H, spark.draft_vocab, bias=False)
         if r:
-            self.markov_head = MarkovHead(V, r)
+            self.markov_head = MarkovHead(V, r, spark.draft_vocab)
         if spark.confidence_head:
             dims = H + (r if spark.confidence_with_markov else 0)
             self.confidence_head = ConfidenceHead(dims, spark.confidence_bias)
@@ -83,9 +89,13 @@ class DSparkDrafter(SparkChain, SavesState):
 
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
-                 cut: str = "sync", sample_drafts: bool = True):
+                 cut: str = "sync", sample_drafts: bool = True,
+                 draft_to_target: mx.array | None = None):
         self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
-        self.max_draft = min(cfg.block_size, MAX_DRAFT)
+        self.draft_to_target = draft_to_target
+        # speculators' slot convention: row 0 holds the anchor only, rows 1.. draft
+        self._skip = 0 if spark.sample_from_anchor else 1
+        self.max_draft = min(cfg.block_size - self._skip, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
@@ -93,8 +103,11 @@ class DSparkDrafter(SparkChain, SavesState):
 
     def bind(self, model, tokenizer) -> None:
         check_block_target(model, self.cfg, self.taps, "this DSpark head", vocab=self.spark.vocab_size)
+        if self.draft_to_target is not None:
+            check_target(model, "this DSpark head", token_ids={
+                "largest draft_to_target id": int(self.draft_to_target.max())})
         h = self.heads
-        self._embed = h.embed_tokens if "embed_tokens" in h else decoder_stack(model).embed_tokens
+        self._embed = h.embed_tokens if "embed_tokens" in h else embedding(decoder_stack(model))
         self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
         self.context.reset()
 
@@ -111,7 +124,7 @@ class DSparkDrafter(SparkChain, SavesState):
         x = self._embed(block_inputs(y, self.cfg))
         if self.cfg.input_embedding_scale != 1.0:
             x = x * self.cfg.input_embedding_scale
-        h = self.context.forward(x)[:k]  # the whole block runs; k rows are used
+        h = self.context.forward(x)[self._skip : self._skip + k]  # the whole block runs
         return self._head(h), h
 
 
@@ -120,13 +133,17 @@ def load(folder, config: dict, model, *, confidence_threshold: float | None = No
     """The DSpark drafter stored in a converted head folder (LOADERS["dspark"])."""
     cfg, spark = BlockConfig.from_dict(config), SparkConfig.from_dict(config)
     weights = read_weights(folder)
+    d2t = weights.pop("draft_to_target", None)
     mine = {k: v for k, v in weights.items() if k.startswith(EXTRA_PREFIXES)}
     net, heads = DFlashNet(cfg), SparkHeads(cfg, spark)
     assign(net, {k: v for k, v in weights.items() if k not in mine}, config, f"DSpark head {folder}")
     assign(heads, mine, config, f"DSpark head {folder}")
+    if (d2t is None) != (spark.draft_vocab == spark.vocab_size):
+        raise ValueError(f"DSpark head {folder}: a draft vocabulary of {spark.draft_vocab} tokens "
+                         f"for a {spark.vocab_size}-token target needs draft_to_target, and only it")
     return DSparkDrafter(net, cfg, spark, heads, config["mlx_spec"]["taps"],
                          confidence_threshold=confidence_threshold, cut=cut,
-                         sample_drafts=sample_drafts)
+                         sample_drafts=sample_drafts, draft_to_target=d2t)
 
 
 def probe_target(folder, config: dict, model, **options):

@@ -38,6 +38,12 @@ class SparkConfig:
     confidence_bias: bool = True
     own_embeddings: bool = False
     own_lm_head: bool = False
+    draft_vocab_size: int | None = None  # a reduced draft vocabulary (its ids map by draft_to_target)
+    sample_from_anchor: bool = True  # False: speculators' slot 0 is the anchor only, drafts from row 1
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.draft_vocab_size or self.vocab_size
 
     @classmethod
     def from_dict(cls, d: dict) -> "SparkConfig":
@@ -46,12 +52,13 @@ class SparkConfig:
 
 
 class MarkovHead(nn.Module):
-    """Bigram bias B(prev, .) = W2 W1[prev]: W1 [V, r] is a lookup, W2 [V, r] a Linear r -> V."""
+    """Bigram bias B(prev, .) = W2 W1[prev]: W1 [V, r] is a lookup by the previous (target)
+    token, W2 [V_d, r] a Linear r -> V_d over the draft vocabulary (V_d = V unless reduced)."""
 
-    def __init__(self, vocab: int, rank: int):
+    def __init__(self, vocab: int, rank: int, draft_vocab: int | None = None):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab or vocab, bias=False)
 
 
 class ConfidenceHead(nn.Module):
@@ -77,6 +84,7 @@ class SparkChain:
     heads: nn.Module
     sample_drafts: bool
     max_draft: int
+    draft_to_target: mx.array | None = None  # [V_d] target ids of a reduced draft vocabulary
 
     def set_cut(self, confidence_threshold: float | None, cut: str = "sync") -> None:
         """Verify only the prefix whose running confidence product stays >= the threshold.
@@ -98,6 +106,15 @@ class SparkChain:
     def step_logits(self, y: int, k: int) -> tuple[mx.array, mx.array]:
         raise NotImplementedError
 
+    def _to_target(self, tokens: mx.array, q: mx.array | None):
+        """Draft-vocabulary ids (and q over them) -> target ids (and q over the target's)."""
+        d2t = self.draft_to_target
+        if d2t is None:
+            return tokens, q
+        if q is not None:  # zero outside the draft vocabulary: rejection sampling stays exact
+            q = mx.zeros((*q.shape[:-1], self.spark.vocab_size), q.dtype).at[..., d2t].add(q)
+        return d2t[tokens], q
+
     def _chain(self, U, h, y, sampling) -> tuple[mx.array, mx.array | None, mx.array | None]:
         """Sequential stage: Markov-corrected tokens, their q, and step confidences [k]."""
         heads, sample = self.heads, self.sample_drafts and not sampling.greedy
@@ -105,17 +122,19 @@ class SparkChain:
         if "markov_head" not in heads:  # DeepSpec "DFlash" layout: positions independent
             d = pick_block(U, sampling, self.sample_drafts)
             conf = None if conf_head is None else mx.sigmoid(conf_head(h)[:, 0])
-            return d.tokens, d.q, conf
+            tokens, q = self._to_target(d.tokens, d.q)
+            return tokens.astype(mx.uint32), q, conf
         w1, w2 = heads.markov_head.markov_w1, heads.markov_head.markov_w2
         prev, tokens, qs, confs = mx.array([y], dtype=mx.uint32), [], [], []
         for j in range(U.shape[0]):
-            e = w1(prev)[0]  # [r]
-            s = U[j] + w2(e)  # [V]
+            e = w1(prev)[0]  # [r]; W1 is indexed by target ids
+            s = U[j] + w2(e)  # [V_d]
             if sample:
-                qs.append(sampling.probs(s))
-                t = mx.random.categorical(mx.log(qs[-1]))
+                q = sampling.probs(s)
+                t, q = self._to_target(mx.random.categorical(mx.log(q)), q)
+                qs.append(q)
             else:
-                t = mx.argmax(s)
+                t, _ = self._to_target(mx.argmax(s), None)
             if conf_head is not None:
                 feats = mx.concatenate([h[j], e.astype(h.dtype)]) if self.spark.confidence_with_markov else h[j]
                 confs.append(mx.sigmoid(conf_head(feats)[0]))

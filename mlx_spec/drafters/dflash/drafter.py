@@ -1,8 +1,9 @@
 """DFlashDrafter: one block forward proposes up to B-1 tokens (B = 16 for published heads).
 
-Per step the drafter embeds `[y, mask x (B-1)]` with the TARGET's raw token
-embeddings (y = the newest committed token, not yet consumed by the target, at
-position p = the committed length) and runs the block network once; block row
+Per step the drafter embeds `[y, mask x (B-1)]` with the TARGET's token embeddings, as
+Hugging Face's `embed_tokens` returns them (Gemma's scaled by sqrt(H), no embedding norm;
+y = the newest committed token, not yet consumed by the target, at position p = the
+committed length) and runs the block network once; block row
 j >= 1 predicts the token at position p + j, i.e. d[j-1]. Logits come from the
 target's LM head (times `output_multiplier`, then `softcap * tanh(l / softcap)`
 when the head config sets them, as Muse Glimmer does).
@@ -30,7 +31,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...sampling import Sampling
-from ...taps import decoder_stack
+from ...taps import decoder_stack, embedding
 from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
 from .net import BlockConfig, BlockContext, DFlashNet
 
@@ -70,10 +71,15 @@ class DFlashDrafter(SavesState):
         self.sample_drafts = sample_drafts
         self.context = BlockContext(net, cfg, self.taps)
         self._embed = self._head = None
+        self._embed_scale = 1.0
 
     def bind(self, model, tokenizer) -> None:
         check_block_target(model, self.cfg, self.taps, "this DFlash head")
-        self._embed = decoder_stack(model).embed_tokens  # raw rows: no target embedding norm/scale
+        stack = decoder_stack(model)
+        # The target's token embedding as Hugging Face's `embed_tokens` returns it: Gemma's is a
+        # scaled word embedding (x sqrt(H), mlx-lm keeps the factor as `embed_scale`); no
+        # embedding norm (Muse Glimmer applies one after its raw embedding: not used here).
+        self._embed, self._embed_scale = embedding(stack), float(getattr(stack, "embed_scale", 1.0))
         self._head = target_lm_head(model)
         self.context.reset()
 
@@ -94,15 +100,19 @@ class DFlashDrafter(SavesState):
         if self._embed is None:
             raise RuntimeError("bind(model, tokenizer) the drafter before using it")
         x = self._embed(block_inputs(y, self.cfg))
-        if self.cfg.input_embedding_scale != 1.0:
-            x = x * self.cfg.input_embedding_scale
+        scale = self.cfg.input_embedding_scale * self._embed_scale
+        if scale != 1.0:
+            x = x * scale
         return self.context.forward(x)
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
-        h = self.hidden(y)  # [B, H]
-        return pick_block(self.logits(h[1 : k + 1]), sampling, self.sample_drafts)
+        h = self.hidden(y)[1 : k + 1]  # [k, H]
+        if "candidate_selector" in self.context.net:  # DFlash2: a path through each row's top-k
+            return self.context.net.candidate_selector.choose(h, self.logits(h), y, sampling,
+                                                              self.sample_drafts)
+        return pick_block(self.logits(h), sampling, self.sample_drafts)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         self.context.add(taps, len(tokens))

@@ -21,8 +21,8 @@ Invariant: a `BlockContext` holds K/V for exactly the committed positions
 rows for one call and never kept, so no rollback is ever needed. Sliding layers
 keep only the last `window - 1` context rows, the only ones a future block can see.
 
-Non-goals: DFlash2 (dynamic convolutions, candidate selector), attention sinks,
-batch > 1.
+DFlash2 adds grouped dynamic convolutions around each layer's attention and MLP and a
+candidate selector (`dflash2.py`). Non-goals: attention sinks, batch > 1.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..layers import MLP
+from .dflash2 import CandidateSelector, GroupedConv
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,12 @@ class BlockConfig:
     max_position_embeddings: int | None = None
     attention_bias: bool = False
     input_embedding_scale: float = 1.0
+    # DFlash2 (dflash2.py): grouped dynamic convolutions and the candidate selector
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    vocab_size: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "BlockConfig":
@@ -202,10 +209,18 @@ class BlockLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.conv_kernel_size:  # DFlash2
+            conv = (cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.attention_conv, self.mlp_conv = GroupedConv(*conv), GroupedConv(*conv)
 
     def __call__(self, x: mx.array, cache: ContextCache) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if "attention_conv" not in self:
+            h = x + self.self_attn(self.input_layernorm(x), cache)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        u, coef = self.attention_conv.prepare(self.input_layernorm(x))
+        h = x + self.attention_conv.finish(self.self_attn(u, cache), coef)
+        u, coef = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(u), coef)
 
 
 class DFlashNet(nn.Module):
@@ -217,6 +232,9 @@ class DFlashNet(nn.Module):
         self.hidden_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.layers = [BlockLayer(cfg, i) for i in range(cfg.num_hidden_layers)]
         self.norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.selector_rank:  # DFlash2
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size,
+                                                        cfg.selector_rank, cfg.selector_top_k)
 
     def extend(self, caches: list[ContextCache], taps: mx.array) -> None:
         """taps [n, k*H_t] for the next n committed positions -> context K/V per layer."""

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ...taps import EMBED, decoder_stack
+from ...taps import EMBED, decoder_stack, embedding
 from ..base import MAX_DRAFT, SAME_WEIGHTS, SavesState, check_target, target_lm_head
 from ..spark_chain import SparkChain, SparkConfig
 from .net import DSparkStages, StageContext
@@ -43,19 +43,30 @@ class V4DSparkDrafter(SparkChain, SavesState):
         self.net, self.heads, self.spark = net, net, spark
         self.layer_ids = tuple(int(l) for l in layer_ids)
         self.taps = tap_ids(self.layer_ids, net.variant)
-        self.block_size, self.noise_token_id = block_size, noise_token_id
-        self.max_draft = min(block_size, MAX_DRAFT)
+        self.noise_token_id = noise_token_id
+        self.set_block(block_size)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
         self.context = StageContext(net, window)
         self._embed = self._head = None
+
+    def set_block(self, rows: int) -> None:
+        """Propose from blocks of `rows` rows `[y, noise x (rows-1)]`: up to `rows` drafts.
+
+        The stages were trained on `dspark_block_size` rows; vLLM's
+        `"num_speculative_tokens": N` runs N rows whatever that size (the V4-Flash-0731
+        model card uses N = 7 with a block size of 5), and so does this."""
+        if not 1 <= int(rows) <= MAX_DRAFT:
+            raise ValueError(f"a DSpark block has 1..{MAX_DRAFT} rows, got {rows}")
+        self.block_size = int(rows)
+        self.max_draft = self.block_size
 
     def bind(self, model, tokenizer) -> None:
         # dspark_target_layer_ids are decoder layers (their input for V4.1), so check those
         check_target(model, "these DeepSeek-V4 DSpark stages", SAME_WEIGHTS,
                      hidden_size=self.net.args.hidden_size, vocab=self.spark.vocab_size,
                      layers=self.layer_ids, token_ids={"dspark_noise_token_id": self.noise_token_id})
-        self._embed, self._head = decoder_stack(model).embed_tokens, target_lm_head(model)
+        self._embed, self._head = embedding(decoder_stack(model)), target_lm_head(model)
         self.context.reset()
 
     def _add(self, taps: dict | None, n: int) -> None:

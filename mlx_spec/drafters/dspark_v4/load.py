@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import deepseek_v41 as dsv4
 from mlx_lm.utils import infer_quant_config
 
+from ...weights import fp8_tile
 from ..spark_chain import SparkConfig
 from ..mtp.families import load_tensors, tensor_index
 from .drafter import V4DSparkDrafter
@@ -79,20 +80,6 @@ def _stage_key(key: str, stage: int, last: int) -> str:
             raise ValueError(f"mtp.{stage}.{rest}: expected only on {where} DSpark stage")
         return V41_MARKOV.get(rest, rest)
     return key
-
-
-def fp8_tile(weight: tuple, scale: tuple) -> int | None:
-    """The square tile (32, 64, 128, ...) of an FP8 weight's block-scale grid, None if none fits.
-
-    Only powers of two are tried: two of them that give the same grid (ceil division)
-    assign every weight row and column to the same scale, so the answer is unique."""
-    (rows, cols), (srows, scols) = weight[-2:], scale[-2:]
-    tile = 32
-    while tile <= 2 * max(rows, cols):
-        if -(-rows // tile) == srows and -(-cols // tile) == scols:
-            return tile
-        tile *= 2
-    return None
 
 
 def _to_32_tiles(raw: dict) -> dict:
@@ -152,13 +139,27 @@ def _quantize_like_target(net: nn.Module, model) -> None:
 
     def like(path: str, m: nn.Module):
         parts = path.split(".")
-        twin = trunk.get(".".join(parts[2:])) if parts[0] == "layers" else None
+        name = ".".join(parts[2:])
+        twin = trunk.get(name, trunk.get(_vlm_name(name))) if parts[0] == "layers" else None
         if not hasattr(m, "to_quantized") or not hasattr(twin, "bits"):
             return False
         return {"group_size": twin.group_size, "bits": twin.bits,
                 "mode": getattr(twin, "mode", "affine")}
 
     nn.quantize(net, class_predicate=like)
+
+
+# mlx-lm deepseek_v41 module path -> mlx-vlm deepseek_v4's (a DeepSeek-V4-Flash target's layers)
+VLM_NAMES = [("self_attn.q_a_proj", "attn.wq_a"), ("self_attn.q_b_proj", "attn.wq_b"),
+             ("self_attn.kv_proj", "attn.wkv"), ("self_attn.o_a_proj", "attn.wo_a"),
+             ("self_attn.o_b_proj", "attn.wo_b"), ("mlp.experts.switch_mlp.", "ffn.switch_mlp."),
+             ("mlp.shared_experts.", "ffn.shared_experts."), ("mlp.gate", "ffn.gate")]
+
+
+def _vlm_name(name: str) -> str:
+    for mine, theirs in VLM_NAMES:
+        name = name.replace(mine, theirs)
+    return name
 
 
 def _source_name(key: str, last: int) -> str:
@@ -234,8 +235,13 @@ def _stage_count(text: dict, names: list, folder) -> int:
 
 
 def probe(folder, config: dict, model, *, confidence_threshold: float | None = None,
-          cut: str = "sync", sample_drafts: bool = True) -> V4DSparkDrafter | None:
-    """The DSpark drafter of a DeepSeek-V4 target folder; None without dspark_* fields."""
+          cut: str = "sync", sample_drafts: bool = True,
+          num_speculative_tokens: int | None = None) -> V4DSparkDrafter | None:
+    """The DSpark drafter of a DeepSeek-V4 target folder; None without dspark_* fields.
+
+    `num_speculative_tokens` N builds blocks of N rows `[y, noise x (N-1)]` instead of
+    `dspark_block_size`, as vLLM's `"num_speculative_tokens": N` does (the V4-Flash-0731
+    model card runs N = 7 with its 5-row trained block); up to N drafts per step."""
     text = config.get("text_config", config)
     if not any(key.startswith("dspark_") for key in text):
         return None
@@ -244,11 +250,14 @@ def probe(folder, config: dict, model, *, confidence_threshold: float | None = N
     if missing:
         raise ValueError(f"{folder}: config.json has dspark_* fields but lacks {missing}; "
                          "is it a complete DeepSeek-V4 DSpark config?")
-    if not isinstance(getattr(model, "args", None), dsv4.ModelArgs):
-        raise ValueError(
-            f"{folder} carries DeepSeek-V4 DSpark stages, which run only on a target loaded "
-            f"by mlx-lm's deepseek_v41 model (model_type deepseek_v41), not "
-            f"{type(model).__module__}.{type(model).__name__}")
+    target_args = _target_args(model, text, folder)
+    have = model.args  # mlx-lm's deepseek_v41 args, or mlx-vlm's deepseek_v4 config
+    differ = [f"{k}: {text[k]} there, {getattr(have, k)} in the model"
+              for k in ("hidden_size", "vocab_size", "num_hidden_layers")
+              if text.get(k) is not None and text[k] != getattr(have, k, text[k])]
+    if differ:  # before any stage tensor is read
+        raise ValueError(f"{folder} is not the loaded target's checkpoint ({'; '.join(differ)}); "
+                         "pass the target's own folder")
     ids = list(text["dspark_target_layer_ids"])
     index = tensor_index(folder)
     names = [k for k in index if k.startswith("mtp.")]
@@ -264,13 +273,31 @@ def probe(folder, config: dict, model, *, confidence_threshold: float | None = N
                     if k in index)
     rank = int(text.get("dspark_markov_rank") or index[rank_key][1][-1])
     confidence = f"{last}confidence_head.proj.weight" in index
-    args = stage_args(model.args, stages, text)
+    args = stage_args(target_args, stages, text)
     net = DSparkStages(args, len(ids), rank, variant=variant, confidence=confidence,
                        confidence_bias=conf_bias)
     _load_strict(net, stage_weights(load_tensors(index, names), args, stages), model, folder)
     spark = SparkConfig(vocab_size=args.vocab_size, markov_rank=rank, confidence_head=confidence,
                         confidence_with_markov=True, confidence_bias=conf_bias)
-    return V4DSparkDrafter(
+    drafter = V4DSparkDrafter(
         net, spark, ids, block_size=int(text["dspark_block_size"]),
         noise_token_id=int(text["dspark_noise_token_id"]), window=args.sliding_window,
         confidence_threshold=confidence_threshold, cut=cut, sample_drafts=sample_drafts)
+    if num_speculative_tokens is not None:
+        drafter.set_block(num_speculative_tokens)
+    return drafter
+
+
+def _target_args(model, text: dict, folder) -> dsv4.ModelArgs:
+    """The stages' base arguments: the target's own (mlx-lm `deepseek_v41`), or, for a
+    DeepSeek-V4-Flash target (`mlx_spec.targets.deepseek_v4`), its config read as mlx-lm's."""
+    from ...targets.deepseek_v4 import DeepseekV4
+
+    if isinstance(getattr(model, "args", None), dsv4.ModelArgs):
+        return model.args
+    if isinstance(model, DeepseekV4):
+        return dsv4.ModelArgs.from_dict({k: v for k, v in text.items() if k != "engram_layer_ids"})
+    raise ValueError(
+        f"{folder} carries DeepSeek-V4 DSpark stages, which run only on a DeepSeek-V4 target "
+        "(mlx_spec.load of a deepseek_v4 folder, or mlx-lm's deepseek_v41 model), not "
+        f"{type(model).__module__}.{type(model).__name__}")

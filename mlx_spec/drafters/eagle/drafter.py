@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 
 from ...cache import rollback
 from ...sampling import Sampling
-from ...taps import decoder_stack
+from ...taps import decoder_stack, embedding
 from ..base import (
     EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head, vocab_size,
 )
@@ -62,7 +62,7 @@ class EagleDrafter(SavesState):
                      layers=self.taps,
                      token_ids={"largest draft_to_target id": int(self._d2t.max())} if d2t else None)
         stack = decoder_stack(model)
-        self._embed = self.head.embed_tokens if "embed_tokens" in self.head else stack.embed_tokens
+        self._embed = self.head.embed_tokens if "embed_tokens" in self.head else embedding(stack)
         self._lm = self.head.lm_head if "lm_head" in self.head else target_lm_head(model)
         self._v_target = vocab_size(model)
         self.cache = [KVCache() for _ in self.head.layers]

@@ -9,7 +9,8 @@ feature to feed back at position t+1 plus the hidden state the logits are
 read from. What differs is the feature and the logits:
 
 * EAGLE-1/2: feature = the target's final-norm output (`FINAL_NORM` tap);
-  `z = fc([emb ; feature])`, decoder layers (layer 0 has no input norm), and
+  `z = fc([emb ; feature])` (HASS `add_para_norm`: each RMS-normed first,
+  vLLM `llama_eagle.py`), decoder layers (layer 0 has no input norm), and
   the output `g` is both the next feature and what the TARGET's LM head reads.
 * EAGLE-3: feature = `fc(concat(three target taps))` (width H); layer 0
   attends over `[input_layernorm(emb) ; hidden_norm(g)]` (2H wide) with `g`
@@ -41,8 +42,13 @@ class Eagle1Head(nn.Module):
         args = LayerArgs.from_dict(config)
         H = args.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=bool(config.get("fc_bias", False)))
-        # The reference's first layer drops its input norm: fc's output goes straight in.
-        self.layers = [DecoderLayer(args, input_norm=i > 0) for i in range(config["num_layers"])]
+        if config.get("add_para_norm"):  # HASS
+            self.embedding_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+            self.hidden_states_layernorm = nn.RMSNorm(H, eps=args.rms_norm_eps)
+        # The reference's first layer drops its input norm: fc's output goes straight in
+        # (HASS heads converted with skip_prenorm: false keep it).
+        first = bool(config.get("first_input_norm", False))
+        self.layers = [DecoderLayer(args, input_norm=i > 0 or first) for i in range(config["num_layers"])]
 
     def features(self, taps: dict, tap_ids: tuple) -> mx.array:
         """[T, H]: the target's final-norm output at the tapped positions."""
@@ -50,6 +56,8 @@ class Eagle1Head(nn.Module):
 
     def __call__(self, emb: mx.array, feat: mx.array, cache: list) -> tuple[mx.array, mx.array]:
         """emb, feat [1, T, H] -> (next feature, hidden for the target LM head), both [1, T, H]."""
+        if "embedding_layernorm" in self:
+            emb, feat = self.embedding_layernorm(emb), self.hidden_states_layernorm(feat)
         h = self.fc(mx.concatenate([emb, feat], axis=-1))  # embedding first
         mask = causal_mask(h, cache[0])
         for layer, c in zip(self.layers, cache):

@@ -14,11 +14,10 @@ from __future__ import annotations
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ...cache import rollback
 from ...sampling import Sampling
-from ...taps import FINAL_NORM, decoder_stack
+from ...taps import FINAL_NORM, decoder_stack, embedding
 from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
 
@@ -40,7 +39,7 @@ class MTPDrafter(SavesState):
         self._reset()
 
     def _reset(self) -> None:
-        self.cache = [KVCache()]
+        self.cache = [self.head.make_cache()]
         self._hidden: list[mx.array] = []  # [n_i, H] blocks of target hidden states not fed yet
         self._tokens: list[int] = []
         self._drafted = 0  # positions the last proposal appended past the committed ones
@@ -49,7 +48,7 @@ class MTPDrafter(SavesState):
         check_target(model, "this MTP head", SAME_MTP, hidden_size=self.head.enorm.weight.shape[0],
                      vocab=self.head.head.weight.shape[0] if "head" in self.head else None)
         stack = decoder_stack(model)
-        self._embed = stack.embed_tokens
+        self._embed = embedding(stack)
         self._lm_head = target_lm_head(model)
         n_layers = len(stack.layers)
         self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (n_layers - 1,)

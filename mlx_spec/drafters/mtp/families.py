@@ -19,7 +19,8 @@ as offsets are shifted by +1 exactly when mlx-lm shifts the target's (see
 through the target class's own `sanitize`.
 
 Non-goals: MTP modules after the first (every shipped checkpoint has one; the
-drafter chains module 0), DeepSeek-V3.2/V4 layouts.
+drafter chains module 0). DeepSeek-V4 and Nemotron-H have their own modules
+(`deepseek_v4.py`, `nemotron_h.py`).
 """
 
 from __future__ import annotations
@@ -47,11 +48,23 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek", embed_first=True, mask_first_position=True),
     "glm4_moe": Family("deepseek", embed_first=True, mask_first_position=True),
+    # GLM-4.7-Flash (DeepSeek-V3 MLA in GLM's MoE): the same module at model.layers.{N}
+    "glm4_moe_lite": Family("deepseek", embed_first=True, mask_first_position=True),
+    # DeepSeek-V3.2 and GLM-5 (DSA: MLA plus a lightning indexer with its own key cache)
+    "deepseek_v32": Family("deepseek", embed_first=True, mask_first_position=True),
+    "glm_moe_dsa": Family("deepseek", embed_first=True, mask_first_position=True),
     "qwen3_5": Family("qwen", embed_first=True, mask_first_position=False),
     "qwen3_5_moe": Family("qwen", embed_first=True, mask_first_position=False),
     "qwen3_next": Family("qwen", embed_first=True, mask_first_position=False),
     "mimo": Family("mimo", embed_first=False, mask_first_position=True),
+    # DeepSeek-V4-Flash base: e_proj(e) + h_proj(h) per stream (`deepseek_v4.py` here)
+    "deepseek_v4": Family("deepseek_v4", embed_first=True, mask_first_position=False),
+    # Nemotron-H: a row of target blocks (`mtp_hybrid_override_pattern`), `nemotron_h.py` here
+    "nemotron_h": Family("nemotron_h", embed_first=True, mask_first_position=False),
 }
+
+# Families whose decoder layer caches [attention KV, indexer keys] (a CacheList).
+DSA = ("deepseek_v32", "glm_moe_dsa")
 
 # Checkpoint key (after the module's prefix) -> head key; None drops on purpose.
 TABLES: dict[str, list[tuple[str, str | None]]] = {
@@ -118,7 +131,7 @@ def module_prefix(family: str, config: dict) -> str:
     layout = FAMILIES[family].layout
     if layout == "deepseek":
         return f"model.layers.{text_config(config)['num_hidden_layers']}."
-    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0."}[layout]
+    return {"qwen": "mtp.", "mimo": "model.mtp_layers.0.", "deepseek_v4": "mtp.0.", "nemotron_h": "mtp."}[layout]
 
 
 # ---- reading only what is needed from the safetensors -----------------------
@@ -191,6 +204,14 @@ def apply_table(weights: dict, table: list[tuple[str, str | None]], where: str) 
 def to_head_weights(family: str, config: dict, raw: dict, shift: bool) -> dict:
     """Checkpoint tensors of one MTP module (prefix removed) -> head weights, MLX layout."""
     layout = FAMILIES[family].layout
+    if layout == "deepseek_v4":
+        from .deepseek_v4 import head_weights
+
+        return head_weights(config, raw)
+    if layout == "nemotron_h":
+        from .nemotron_h import head_weights
+
+        return head_weights(raw)
     if layout == "deepseek":
         raw = _through_target_sanitize(family, config, raw)
     weights = apply_table(raw, TABLES[layout], f"{family} MTP module")
@@ -246,12 +267,21 @@ def text_args(family: str, config: dict | None = None, model=None):
         from mlx_lm.models import qwen3_5
 
         return qwen3_5.TextModelArgs.from_dict(text_config(config))
+    if family == "deepseek_v4":  # mlx-vlm's (mlx_spec.targets.deepseek_v4)
+        from ...targets.deepseek_v4 import _vlm
+
+        return _vlm()[0].ModelConfig.from_dict({**text_config(config), "vision_n_layers": 0})
     return importlib.import_module(f"mlx_lm.models.{family}").ModelArgs.from_dict(config)
 
 
-def build_block(family: str, args, moe: bool) -> nn.Module:
-    """A fresh decoder layer for the MTP module; `moe`: its MLP is a mixture of experts."""
+def build_block(family: str, args, moe: bool, pattern: str = "") -> nn.Module:
+    """A fresh decoder layer for the MTP module; `moe`: its MLP is a mixture of experts;
+    `pattern`: the blocks of a multi-block module (Nemotron-H)."""
     n = args.num_hidden_layers
+    if family == "nemotron_h":
+        from .nemotron_h import NemotronMTPBlocks
+
+        return NemotronMTPBlocks(args, pattern)
     if family in ("qwen3_5", "qwen3_5_moe"):
         from mlx_lm.models import qwen3_5
 
@@ -270,6 +300,14 @@ def build_block(family: str, args, moe: bool) -> nn.Module:
         from mlx_lm.models import glm4_moe
 
         return glm4_moe.DecoderLayer(args, layer_idx=n)
+    if family == "glm4_moe_lite":
+        from mlx_lm.models import glm4_moe_lite
+
+        return glm4_moe_lite.Glm4MoeLiteDecoderLayer(args, layer_idx=n)
+    if family in DSA:  # glm_moe_dsa's model is deepseek_v32's
+        from mlx_lm.models import deepseek_v32
+
+        return deepseek_v32.DeepseekV32DecoderLayer(args, layer_idx=n)
     if family == "mimo":
         from mlx_lm.models import mimo
 

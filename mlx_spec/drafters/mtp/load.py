@@ -15,7 +15,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.utils import infer_quant_config
 
 from .drafter import MTPDrafter
 from .families import (
@@ -29,7 +31,7 @@ from .families import (
     text_config,
     to_head_weights,
 )
-from .head import MTPConfig, MTPHead, quantize_head
+from .head import MTPConfig, MTPHead, make_head
 
 
 def _missing_error(folder: Path, family: str, config: dict, prefix: str) -> ValueError:
@@ -57,6 +59,11 @@ def extract(folder: Path, config: dict | None = None):
     if family is None:
         return None
     index = tensor_index(folder)
+    if family == "deepseek_v4":
+        from .deepseek_v4 import is_mtp_checkpoint
+
+        if not is_mtp_checkpoint(config, index):
+            return None  # -0731's mtp.* are DSpark stages (kind "dspark"), or no block at all
     prefix = module_prefix(family, config)
     names = [k for k in index if k.startswith(prefix)]
     if not names:
@@ -69,20 +76,33 @@ def extract(folder: Path, config: dict | None = None):
     )
     cfg = MTPConfig(
         family=family,
+        hidden_state="last_layer" if family == "deepseek_v4" else "final_norm",
         own_embed="embed.weight" in weights,
         own_head="head.weight" in weights,
         moe=any(".switch_mlp." in k for k in weights),
         num_modules=max(declared_modules(config), 1),
+        block_pattern=_pattern(family, config),
     )
     return cfg, weights, config
 
 
-def build_head(cfg: MTPConfig, args, weights: dict, quantization: dict | None = None) -> MTPHead:
-    """An `MTPHead` holding `weights` (strictly: every tensor, nothing else)."""
-    head = MTPHead(cfg, args)
-    if quantization is not None:
-        quantized = {k[: -len(".scales")] for k in weights if k.endswith(".scales")}
-        quantize_head(head, quantization["group_size"], quantization["bits"], only=quantized)
+def _pattern(family: str, config: dict) -> str:
+    if family != "nemotron_h":
+        return ""
+    from .nemotron_h import pattern_of
+
+    return pattern_of(config)
+
+
+def build_head(cfg: MTPConfig, args, weights: dict) -> MTPHead:
+    """An `MTPHead` holding `weights` (strictly: every tensor, nothing else); modules with
+    `.scales` are quantized as their tensors say."""
+    head = make_head(cfg, args)
+    # Quantized as stored: each module's bits, group size and mode read from its tensors
+    # (a DeepSeek-V4 block mixes mxfp8 and mxfp4; `quantization` only says that some are).
+    nn.quantize(head, class_predicate=lambda path, m: (
+        hasattr(m, "to_quantized") and f"{path}.scales" in weights
+        and infer_quant_config(path, m, weights)))
     want = dict(tree_flatten(head.parameters()))
     missing = sorted(set(want) - set(weights))
     extra = sorted(set(weights) - set(want))
@@ -97,6 +117,7 @@ def build_head(cfg: MTPConfig, args, weights: dict, quantization: dict | None = 
         raise ValueError(f"MTP weights misshaped for this target: {bad[:3]}")
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
+    head.eval()  # mlx-vlm's V4 block takes its decode path only outside training
     return head
 
 
@@ -118,8 +139,7 @@ def probe(folder, config: dict, model, **options) -> MTPDrafter | None:
         raise ValueError(f"{folder} carries an MTP module; MTP drafters take no options, "
                          f"got {sorted(options)}")
     cfg, weights, _ = found
-    quant = _quantization(config) if any(k.endswith(".scales") for k in weights) else None
-    return MTPDrafter(build_head(cfg, args, weights, quant), cfg)
+    return MTPDrafter(build_head(cfg, args, weights), cfg)
 
 
 def load_head_folder(folder, config: dict, model) -> MTPDrafter:
@@ -133,7 +153,7 @@ def load_head_folder(folder, config: dict, model) -> MTPDrafter:
         )
     args = text_args(cfg.family, model=model)
     weights = mx.load(str(Path(folder) / "model.safetensors"))
-    return MTPDrafter(build_head(cfg, args, weights, config.get("quantization")), cfg)
+    return MTPDrafter(build_head(cfg, args, weights), cfg)
 
 
 def load_mtp(path, model, hidden_state: str | None = None) -> MTPDrafter:
@@ -149,13 +169,6 @@ def load_mtp(path, model, hidden_state: str | None = None) -> MTPDrafter:
 
         drafter = MTPDrafter(drafter.head, replace(drafter.config, hidden_state=hidden_state))
     return drafter
-
-
-def _quantization(config: dict) -> dict:
-    q = config.get("quantization") or text_config(config).get("quantization")
-    if not q:
-        raise ValueError("MTP weights are quantized but config.json has no 'quantization' block")
-    return {"group_size": q["group_size"], "bits": q["bits"]}
 
 
 def _check_same_model(config: dict, args, folder) -> None:

@@ -1,0 +1,152 @@
+"""DeepSeek-V4-Flash (`model_type: deepseek_v4`, e.g. DeepSeek-V4-Flash-0731) as a target.
+
+mlx-lm 0.32.2 has no `deepseek_v4` model (only DeepSeek-V4.1's `deepseek_v41`);
+mlx-vlm has a maintained one (`mlx_vlm.models.deepseek_v4`, >= 0.7.10). mlx-spec runs
+that implementation, installed with `pip install -e '.[deepseek-v4]'`, on an
+instance it wraps, and adds only what speculative decoding needs:
+
+* **Loading the checkpoint as DeepSeek publishes it.** FP8 e4m3 weights with one
+  ue8m0 scale per 128x128 tile become MLX mxfp8 (the same numbers: one scale per 32
+  values of a row); the tile is read from the shapes, so partial edge tiles work
+  (mlx-vlm's own `sanitize` assumes full 128-row tiles). FP4 experts (e2m1, 1x32
+  ue8m0 scales) become mxfp4 through mlx-vlm's `sanitize`, which also renames the
+  DeepSeek names. `mtp.*` (the DSpark stages of -0731, the MTP block of the base
+  model) is left to the drafters. Every tensor must land on a parameter.
+* **A forward that equals decoding one token at a time.** mlx-vlm runs a block of up
+  to 8 (`DECODE_BLOCK_SIZE`) tokens token by token inside attention, which gives the
+  logits of one-token decoding; a longer block takes its prompt path, whose ratio-4
+  KV compression pools differently. So a verify block of 9 .. MAX_DRAFT + 1 tokens is
+  fed in pieces of 8, and speculative output stays the target's own.
+* **Caches that roll back.** The sliding windows (mlx-vlm's `RotatingKVCache`) are
+  taken over by `WindowKVCache`; the pooled layers (`PoolingCache`, updated in place)
+  are restored from a copy and the kept tokens replayed (`mlx_spec.cache.Checkpoint`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import infer_quant_config
+
+from ..cache import MAX_DRAFT, register_cache_types
+from ..taps import in_pieces
+from ..weights import fp8_blocks_to_mxfp8
+from . import missing_extra
+
+DROPPED = ("mtp.",)  # read by the drafters (DSpark stages, MTP block), not the trunk
+
+
+def _vlm():
+    """mlx-vlm's DeepSeek-V4 modules, with its cache types registered for rollback."""
+    try:
+        from mlx_vlm.models import cache as vlm_cache
+        from mlx_vlm.models.deepseek_v4 import config as vlm_config
+        from mlx_vlm.models.deepseek_v4 import language as vlm_language
+        from mlx_vlm.models.linear import DECODE_BLOCK_SIZE, linear
+    except ImportError as e:
+        raise missing_extra("deepseek_v4", "mlx-vlm", e) from e
+    pooling = vlm_cache.PoolingCache
+    register_cache_types(
+        rotating=[vlm_cache.RotatingKVCache], containers=[vlm_cache.CacheList],
+        snapshots={pooling: ("buf_kv", "buf_gate", "remainder", "pooled")},
+        copied={pooling: ("buf_kv", "buf_gate")}, positionless=[pooling])
+    return vlm_config, vlm_language, DECODE_BLOCK_SIZE, linear
+
+
+class DeepseekV4(nn.Module):
+    """mlx-vlm's DeepSeek-V4 language model behind mlx-lm's model interface.
+
+    Children: `model` (mlx-vlm's `DeepseekV4Model`: `embed_tokens`, `layers`, `norm`,
+    `hc_head`) and `lm_head`. A decoder layer's output is the hyper-connection streams
+    [B, T, hc_mult, H]; the final norm reads their `hc_head` collapse.
+    """
+
+    def __init__(self, language_model):
+        super().__init__()
+        _, self._language, self._piece, self._linear = _vlm()
+        self.args = language_model.args
+        self.model_type = "deepseek_v4"
+        self.model = language_model.model
+        self.lm_head = language_model.lm_head
+        self.eval()  # mlx-vlm takes its token-by-token decode path only outside training
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        n = inputs.shape[1]
+        if cache is not None and self._piece < n <= MAX_DRAFT + 1:  # a verify block
+            calls = [lambda i=i: self(inputs[:, i : i + self._piece], cache)
+                     for i in range(0, n, self._piece)]
+            return mx.concatenate(in_pieces(self, calls), axis=1)  # taps see one forward
+        return self._linear(self.lm_head, self.model(inputs, cache=cache))
+
+    def make_cache(self) -> list:
+        # mlx-vlm's own layout: a window per layer, plus pooled KV (and the indexer's) where
+        # the layer compresses; mlx_spec.cache.prepare_cache makes the windows roll back.
+        return self._language.LanguageModel.make_cache(self)
+
+
+def _read(folder: Path) -> dict:
+    weights = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        weights.update({k: v for k, v in mx.load(str(f)).items() if not k.startswith(DROPPED)})
+    if not weights:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights")
+    return weights
+
+
+def _repack_fp8(weights: dict) -> dict:
+    """Block-scaled FP8 weights (e4m3 bytes, `.scale` tile grid) -> mxfp8 `.weight`/`.scales`.
+
+    FP4 experts (one scale row per weight row) are left to mlx-vlm's sanitize."""
+    out = dict(weights)
+    for key, scale in weights.items():
+        if not key.endswith(".scale"):
+            continue
+        wkey = key[: -len("scale")] + "weight"
+        weight = weights.get(wkey)
+        if weight is None or weight.dtype != mx.uint8 or scale.ndim != 2 or scale.shape[0] == weight.shape[0]:
+            continue
+        out[wkey], out[key + "s"] = fp8_blocks_to_mxfp8(key, weight, scale)
+        del out[key]
+    return out
+
+
+def load_model(folder, config: dict) -> DeepseekV4:
+    """The trunk of a DeepSeek-V4 checkpoint folder (DeepSeek's tensor names)."""
+    vlm_config, vlm_language, _, _ = _vlm()
+    folder = Path(folder)
+    text = {**config.get("text_config", config), "vision_n_layers": 0}
+    language = vlm_language.LanguageModel(vlm_config.ModelConfig.from_dict(text))
+    weights = language.sanitize(_repack_fp8(_read(folder)))
+    nn.quantize(language, class_predicate=lambda path, m: (
+        hasattr(m, "to_quantized") and f"{path}.scales" in weights
+        and infer_quant_config(path, m, weights)))
+    want = dict(tree_flatten(language.parameters()))
+    hint = "; is this a complete DeepSeek-V4 checkpoint for its config.json?"
+    for key in sorted(set(want) - set(weights)):
+        raise ValueError(f"{folder}: DeepSeek-V4 tensor {key} is missing "
+                         f"(expected shape {tuple(want[key].shape)}){hint}")
+    for key in sorted(set(weights) - set(want)):
+        raise ValueError(f"{folder}: unexpected DeepSeek-V4 tensor {key} "
+                         f"{tuple(weights[key].shape)}: no such parameter{hint}")
+    bad = [f"{k} {tuple(weights[k].shape)} (expected {tuple(v.shape)})" for k, v in want.items()
+           if tuple(weights[k].shape) != tuple(v.shape)]
+    if bad:
+        raise ValueError(f"{folder}: DeepSeek-V4 tensors misshaped for config.json: {bad[:3]}")
+    language.load_weights(list(weights.items()), strict=True)
+    mx.eval(language.parameters())
+    return DeepseekV4(language)
+
+
+def load(folder, config: dict):
+    """(model, tokenizer) for a DeepSeek-V4 checkpoint folder (`TARGETS["deepseek_v4"]`)."""
+    from mlx_lm.utils import load_tokenizer
+
+    model = load_model(folder, config)
+    return model, load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))

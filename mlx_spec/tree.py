@@ -1,0 +1,192 @@
+"""Draft trees: several candidate continuations verified in one target forward.
+
+A tree draft is `Draft(tokens, parents=...)`: node j has token `tokens[j]` and
+parent `parents[j]` (-1: the root, which is y, the next input), listed in
+breadth-first order (parents before children, each depth in one run). The
+verify forward feeds `[y, node 0 .. node N-1]`:
+
+* every node attends to the cached context, to its ancestors and to itself
+  (`TreeCache.make_mask`: the mask path every mlx-lm model already takes);
+* every node sits at position `offset + depth` (`DepthRoPE` wraps the rope
+  instances of the model for the one forward: the positions a chain through
+  that node would give it);
+
+so row j of the logits is exactly what a forward over the path to node j
+would give. After acceptance the kept path's cache rows are gathered into
+place and the rest dropped (`compact`). A chain is the tree whose parents are
+-1, 0, 1, ...: it needs neither wrapper, and its compaction is a trim.
+
+Acceptance (`walk`): at the current node u with children c_1 .. c_m (distinct
+tokens), greedy moves to the child equal to argmax p_u. Sampling tries the
+children in order: c_i is accepted with probability p'(c_i), where p' is p_u
+with the tokens already rejected removed and renormalised; when none is
+accepted the next token is drawn from that residual, and a node without
+children draws the bonus from p_u. The token emitted after u is then
+distributed exactly as p_u (candidates are point masses: SpecInfer's multi-
+candidate rule without draft probabilities), so the output is the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node (children of the root: 1)."""
+    out: list[int] = []
+    for j, p in enumerate(parents):
+        if not -1 <= p < j:
+            raise ValueError(f"tree node {j} has parent {p}: parents must come first (breadth-first order)")
+        out.append(1 if p < 0 else out[p] + 1)
+    if any(b < a for a, b in zip(out, out[1:])):
+        raise ValueError("tree nodes must be listed depth by depth (breadth-first order)")
+    return out
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    return all(p == j - 1 for j, p in enumerate(parents))
+
+
+def ancestry(parents: Sequence[int]) -> np.ndarray:
+    """[N+1, N+1] booleans: row i may attend to column j (j is i or an ancestor; 0 is the root)."""
+    n = len(parents) + 1
+    mask = np.eye(n, dtype=bool)
+    mask[:, 0] = True
+    for j, p in enumerate(parents, 1):
+        mask[j] |= mask[p + 1]
+    return mask
+
+
+def tree_capable(cache: list) -> bool:
+    """Whether a tree can be verified on this cache (plain KV layers: gathered after acceptance)."""
+    return bool(cache) and all(type(c) is KVCache for c in cache)
+
+
+class TreeCache:
+    """A KV layer seen through a tree block: the model's mask is the tree's."""
+
+    def __init__(self, inner: KVCache, mask: mx.array):
+        self.inner, self._mask = inner, mask
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def update_and_fetch(self, keys, values):
+        return self.inner.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        if window_size is not None:
+            raise ValueError("tree blocks do not support sliding-window layers")
+        before = mx.ones((N, self.inner.offset), mx.bool_)
+        return mx.concatenate([before, self._mask], axis=1)
+
+
+class DepthRoPE:
+    """A rope instance applying position `offset + depth` to each node of a tree block."""
+
+    def __init__(self, inner, depths_: list[int]):
+        self.inner = inner
+        groups, start = [], 0
+        for d in sorted(set(depths_)):
+            end = start + depths_.count(d)
+            groups.append((d, start, end))
+            start = end
+        self.groups = groups
+
+    def __call__(self, x, offset=0):
+        parts = []
+        for d, s, e in self.groups:  # one call per depth: the nodes as a batch of one-token rows
+            g = x[..., s:e, :]
+            B, H, n, D = g.shape
+            rows = g.transpose(2, 0, 1, 3).reshape(n * B, H, 1, D)
+            out = self.inner(rows, offset=offset + d)
+            parts.append(out.reshape(n, B, H, D).transpose(1, 2, 0, 3))
+        return mx.concatenate(parts, axis=2)
+
+
+def _ropes(model) -> list[tuple[object, str]]:
+    return [(m, "rope") for _, m in model.named_modules() if "rope" in m and callable(m["rope"])]
+
+
+def forward(model, cache: list, inputs: mx.array, parents: Sequence[int]) -> mx.array:
+    """Logits [N+1, V] of a tree block `inputs` = [y, nodes...] (lazy)."""
+    ropes = _ropes(model)
+    if not ropes:
+        raise ValueError(f"{type(model).__name__} has no rope modules to place tree nodes")
+    mask = mx.array(ancestry(parents))
+    wrapped = [TreeCache(c, mask) for c in cache]
+    node_depths = [0] + depths(parents)
+    originals = [(m, m[k]) for m, k in ropes]
+    try:
+        for m, k in ropes:
+            m[k] = DepthRoPE(m[k], node_depths)
+        return model(inputs[None], cache=wrapped)[0]
+    finally:  # the graph is built: put the model back at once
+        for m, original in originals:
+            m["rope"] = original
+
+
+def compact(cache: list, base: int, keep: list[int]) -> None:
+    """Keep rows `keep` (block indices, root first) of the block appended at `base`."""
+    idx = mx.array(keep, mx.int32)
+    for c in cache:
+        n = c.offset - base
+        for name in ("keys", "values"):
+            buf = getattr(c, name)
+            block = buf[..., base : base + n, :]
+            buf[..., base : base + len(keep), :] = mx.take(block, idx, axis=2)
+        c.offset = base + len(keep)
+
+
+def children(parents: Sequence[int]) -> list[list[int]]:
+    """Children of each block row (0: the root; j + 1: node j), in order."""
+    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for j, p in enumerate(parents):
+        kids[p + 1].append(j)
+    return kids
+
+
+def draws(logits: mx.array, tokens: mx.array, parents: Sequence[int], sampling) -> list[mx.array]:
+    """What the walk reads, computed on device in the step's graph. Greedy: each row's argmax.
+    Sampling: each node's probability under its parent's row and a uniform; per row a draw
+    from the row, and a draw from the row with its children's tokens removed."""
+    if sampling.greedy:
+        return [mx.argmax(logits, axis=-1).astype(mx.uint32)]
+    p = sampling.probs(logits)  # [N+1, V]
+    rows = mx.array([q + 1 for q in parents], mx.int32)
+    p_node = p[rows, tokens]
+    u = mx.random.uniform(shape=(len(parents),))
+    taken = mx.zeros(p.shape, mx.float32).at[rows, tokens].add(1.0) > 0
+    residual = mx.where(taken, 0.0, p)
+    residual = mx.where(residual.sum(-1, keepdims=True) > 0, residual, p)  # rounding only
+    full = mx.random.categorical(mx.log(p)).astype(mx.uint32)
+    rest = mx.random.categorical(mx.log(residual)).astype(mx.uint32)
+    return [p_node, u, full, rest]
+
+
+def walk(parents: Sequence[int], tokens: list[int], read: list[list], greedy: bool) -> tuple[list[int], int]:
+    """(the accepted path as node indices, the next token) from `draws` read on the host."""
+    kids = children(parents)
+    path, row = [], 0
+    while True:
+        if greedy:
+            best = read[0][row]
+            nxt = next((j for j in kids[row] if tokens[j] == best), None)
+            if nxt is None:
+                return path, best
+        else:
+            p_node, u, full, rest = read
+            left, nxt = 1.0, None
+            for j in kids[row]:
+                if u[j] * left < p_node[j]:  # accept with probability p(c) / (1 - sum p(rejected))
+                    nxt = j
+                    break
+                left -= p_node[j]
+            if nxt is None:
+                return path, (rest if kids[row] else full)[row]
+        path.append(nxt)
+        row = nxt + 1
