@@ -30,7 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import batch_cache, verify
+from . import batch_cache, tree, verify
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY
 from .identity import Claims
@@ -58,7 +58,7 @@ class BatchDecoder:
         self.done: dict = {}  # finished rows the caller has not released yet
         self.batch: list | None = None
         self._uids = itertools.count()
-        self._said_solo = False
+        self._said_solo = self._said_chain = False
 
     @property
     def busy(self) -> bool:
@@ -166,6 +166,7 @@ class BatchDecoder:
                 row.seed_rng(2)
                 drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
             cache = self.batch if self.batch is not None else rows[0].cache
+            drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
             if len(rows) == 1 and verify.pipelined(rows[0]):
                 verdicts = [verify.plain(self.model, rows[0])]
             else:
@@ -187,6 +188,19 @@ class BatchDecoder:
             if row.finish is not None:
                 self._finish(row)
         return events
+
+    def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
+        """A tree is verified as one when this step can (one row, plain KV layers, no logits
+        processors); otherwise its first branch is (said once)."""
+        if draft.parents is None or tree.is_chain(draft.parents):
+            return draft if draft.parents is None else tree.as_chain(draft)
+        if width == 1 and tree.tree_capable(cache) and not row.req.logits_processors:
+            return draft
+        if not self._said_chain:
+            self._said_chain = True
+            log.info("draft trees need a single request on a target with plain KV caches and "
+                     "no logits processors; verifying their first branch as a chain instead")
+        return tree.as_chain(draft)
 
     # ---- leaving -----------------------------------------------------------------------
     def _finish(self, row: Row) -> None:

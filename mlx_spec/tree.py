@@ -190,3 +190,14 @@ def walk(parents: Sequence[int], tokens: list[int], read: list[list], greedy: bo
                 return path, (rest if kids[row] else full)[row]
         path.append(nxt)
         row = nxt + 1
+
+
+def as_chain(draft):
+    """The tree's first branch (first child at every level) as a chain draft."""
+    from .drafters.base import Draft
+
+    kids, idx, row = children(draft.parents), [], 0
+    while kids[row]:
+        idx.append(kids[row][0])
+        row = idx[-1] + 1
+    return Draft(draft.tokens[mx.array(idx, mx.int32)] if idx else draft.tokens[:0])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from . import acceptance
+from . import acceptance, tree
 from .batch_cache import BatchCheckpoint
 from .cache import Checkpoint
 from .drafters.base import Draft
@@ -133,6 +133,8 @@ def land(row) -> None:
 
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
     """One target forward over every row's block; each row keeps its accepted prefix."""
+    if len(rows) == 1 and drafts[0].parents is not None:
+        return [verify_tree(model, cache, rows[0], drafts[0])]
     sizes = [d.size for d in drafts]
     T = 1 + max(sizes)
     if len(rows) == 1:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
@@ -175,3 +177,30 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
         row.fed(k)
         row.sync_seconds += wait
     return verdicts
+
+
+def verify_tree(model, cache: list, row, draft: Draft) -> Verdict:
+    """One target forward over a draft tree (`mlx_spec.tree`); the cache keeps the accepted path."""
+    parents = list(draft.parents)
+    ckpt, base = Checkpoint(model, cache), cache[0].offset
+    try:
+        inputs = mx.concatenate([mx.array([row.y], mx.uint32), draft.tokens])
+        logits = tree.forward(model, cache, inputs, parents)  # [N+1, V]
+        row.seed_rng(1)
+        arrays = tree.draws(logits, draft.tokens, parents, row.req.sampling)
+        tic = time.perf_counter()
+        mx.eval(draft.tokens, *arrays)  # the one sync
+        row.sync_seconds += time.perf_counter() - tic
+        tokens, read = draft.tokens.tolist(), [a.tolist() for a in arrays]
+        path, nxt = tree.walk(parents, tokens, read, row.req.sampling.greedy)
+        keep = [0] + [j + 1 for j in path]
+        taps = row.read_taps(0, len(parents) + 1)
+        taps = None if taps is None else {t: h[mx.array(keep)] for t, h in taps.items()}
+        tree.compact(cache, base, keep)
+    except BaseException:
+        ckpt.keep([])
+        raise
+    kept = [row.y] + [tokens[j] for j in path]
+    row.last = (ckpt, kept)
+    row.fed(kept)
+    return Verdict(kept[1:], len(path), nxt, taps, log_softmax(logits[mx.array(keep)]), len(parents))

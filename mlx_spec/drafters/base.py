@@ -36,6 +36,9 @@ class Draft:
     tokens: mx.array  # [k] token ids; may still be lazy
     q: mx.array | None = None  # [k, V] draft probabilities; None = point mass
     length: mx.array | None = None  # lazy count of leading tokens to verify (None: all k)
+    # A tree instead of a chain: node j's parent (-1: y), breadth-first (`mlx_spec.tree`);
+    # tree nodes are point masses (q is None).
+    parents: tuple[int, ...] | None = None
 
     @property
     def size(self) -> int:

@@ -1,0 +1,169 @@
+"""Draft trees: one forward verifies every node as if its path had been fed alone; the cache
+keeps exactly the accepted path; the output is the target's, greedy and sampled."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache
+
+import lossless as L
+import mlx_spec
+import tiny
+from mlx_spec import tree
+from mlx_spec.drafters.base import Draft
+from runs import mlx_lm_greedy as reference
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
+
+
+@st.composite
+def trees(draw, max_nodes=12):
+    n = draw(st.integers(1, max_nodes))
+    parents, depth = [], []
+    for j in range(n):
+        # a parent among the nodes of the last or current depth keeps breadth-first order
+        choices = [-1] + [i for i in range(j) if depth[i] >= (depth[-1] if depth else 0) - 1]
+        p = draw(st.sampled_from(choices if j == 0 or depth[-1] == 1 else choices[1:] or [-1]))
+        d = 1 if p < 0 else depth[p] + 1
+        if depth and d < depth[-1]:
+            p, d = j - 1, depth[-1] + 1
+        parents.append(p)
+        depth.append(d)
+    return parents
+
+
+def prefilled(model, prompt=PROMPT):
+    cache = [KVCache() for _ in model.layers]
+    model(mx.array([prompt]), cache=cache)
+    return cache
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parents=trees(), seed=st.integers(0, 999))
+def test_every_node_sees_exactly_its_path(parents, seed):
+    model = tiny.llama_model(seed=2)
+    tree.depths(parents)  # valid breadth-first order
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, tiny.VOCAB, len(parents)).tolist()
+    y = 11
+    logits = np.array(tree.forward(model, prefilled(model), mx.array([y] + tokens, mx.uint32), parents))
+    for row in range(len(parents) + 1):
+        path, j = [], row - 1
+        while j >= 0:
+            path.insert(0, tokens[j])
+            j = parents[j]
+        want = np.array(model(mx.array([PROMPT + [y] + path]))[0, -1])
+        np.testing.assert_allclose(logits[row], want, rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parents=trees(), seed=st.integers(0, 999))
+def test_the_cache_keeps_exactly_the_accepted_path(parents, seed):
+    model = tiny.llama_model(seed=2)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, tiny.VOCAB, len(parents)).tolist()
+    leaf = int(rng.integers(0, len(parents) + 1))  # a path from the root to a node (0: none)
+    path, j = [], leaf - 1
+    while j >= 0:
+        path.insert(0, j)
+        j = parents[j]
+    cache = prefilled(model)
+    base = cache[0].offset
+    tree.forward(model, cache, mx.array([11] + tokens, mx.uint32), parents)
+    tree.compact(cache, base, [0] + [j + 1 for j in path])
+    got = np.array(model(mx.array([[7]]), cache=cache)[0, -1])
+    want = np.array(model(mx.array([PROMPT + [11] + [tokens[j] for j in path] + [7]]))[0, -1])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+class Forks(mlx_spec.NGramDrafter):
+    """A tree at every step: at each depth two children, the target's greedy token (when known)
+    and another, the greedy one first or second at random; the second child a leaf."""
+
+    def __init__(self, model, prompt, n, depth=3, seed=0):
+        super().__init__()
+        self.want = reference(model, prompt, n + depth + 1)
+        self.depth, self.rng = depth, np.random.default_rng(seed)
+
+    def bind(self, model, tokenizer):
+        self.done = 0
+
+    def prefill(self, tokens, taps):
+        self.done = 1
+
+    def propose(self, y, k, sampling):
+        tokens, parents, spine = [], [], -1
+        for d in range(min(self.depth, max(k // 2, 1))):
+            right = self.want[self.done + d] if self.done + d < len(self.want) else 0
+            wrong = (right + 1 + int(self.rng.integers(0, 5))) % tiny.VOCAB
+            pair = [right, wrong] if self.rng.random() < 0.5 else [wrong, right]
+            tokens += pair
+            parents += [spine, spine]
+            spine = len(tokens) - 2 + pair.index(right)
+        # breadth-first: the two children of each depth follow the spine node of the depth before
+        return Draft(mx.array(tokens, mx.uint32), parents=tuple(parents))
+
+    def commit(self, tokens, taps):
+        self.done += len(tokens)
+
+
+def test_greedy_through_trees_is_the_targets_own_and_takes_either_child():
+    model = tiny.llama_model(seed=2)
+    drafter = Forks(model, PROMPT, 30)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter, max_tokens=30,
+                                        num_draft_tokens=6, trace=True))
+    assert [r.token for r in out] == reference(model, PROMPT, 30)
+    s = out[-1].stats
+    assert s.accepted >= 15 and s.tau > 2.5  # deep paths through the forks were kept
+
+
+def test_a_recurrent_target_verifies_the_first_branch_as_a_chain():
+    model = tiny.qwen3_5_model()
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Forks(model, PROMPT, 20),
+                                        max_tokens=20, num_draft_tokens=6))
+    assert [r.token for r in out] == reference(model, PROMPT, 20)
+
+
+class SampledForks(mlx_spec.NGramDrafter):
+    """Point-mass trees on an 8-token vocabulary: two children at the root, each with one child."""
+
+    def bind(self, model, tokenizer):
+        self.rng = np.random.default_rng(0)
+
+    def prefill(self, tokens, taps):
+        pass
+
+    def commit(self, tokens, taps):
+        pass
+
+    def propose(self, y, k, sampling):
+        a, b = self.rng.choice(8, 2, replace=False).tolist()
+        return Draft(mx.array([a, b, (a + 1) % 8, (b + 3) % 8], mx.uint32), parents=(-1, -1, 0, 1))
+
+
+def wrong_walk(parents, tokens, read, greedy):
+    """Wrong: when every child is rejected the next token is drawn from the parent's whole row,
+    rejected children included, instead of from the residual without them."""
+    path, nxt = tree_walk(parents, tokens, read, greedy)
+    p_node, u, full, rest = read
+    row = path[-1] + 1 if path else 0
+    return path, (full[row] if nxt == rest[row] and tree.children(parents)[row] else nxt)
+
+
+tree_walk = tree.walk
+
+
+@pytest.mark.slow
+def test_sampled_trees_keep_the_targets_law_and_a_wrong_walk_is_caught(monkeypatch):
+    model = L.v8_llama()
+    joint = L.exact_joint(model, [1, 2, 3, 1, 2], 5, dict(temp=1.0), vocab=8)
+    runs = L.sampled_runs(model, [1, 2, 3, 1, 2], SampledForks, 800, max_tokens=5, k=4, vocab=8, temp=1.0)
+    kept = sum(t.accepted for tr in runs.traces for t in tr)
+    second = sum(1 for tr in runs.traces for t in tr if t.accepted)
+    assert kept > 200 and second > 150
+    L.assert_lossless(runs, joint)
+    monkeypatch.setattr(tree, "walk", wrong_walk)
+    L.assert_caught(L.sampled_runs(model, [1, 2, 3, 1, 2], SampledForks, 400, max_tokens=5, k=4,
+                                   vocab=8, temp=1.0), joint)
