@@ -201,3 +201,28 @@ def as_chain(draft):
         idx.append(kids[row][0])
         row = idx[-1] + 1
     return Draft(draft.tokens[mx.array(idx, mx.int32)] if idx else draft.tokens[:0])
+
+
+def trie(sequences: Sequence[Sequence[int]], budget: int) -> tuple[list[int], tuple[int, ...]]:
+    """Token sequences (most promising first) merged on common prefixes into a tree of at most
+    `budget` nodes, breadth-first; each node's children keep the order of the sequences."""
+    nodes: dict[tuple[int, ...], int] = {}
+    kids: dict[int, list[tuple[int, ...]]] = {-1: []}
+    for seq in sequences:
+        parent = -1
+        for i, t in enumerate(seq):
+            path = tuple(seq[: i + 1])
+            if path not in nodes:
+                nodes[path] = len(nodes)
+                kids.setdefault(parent, []).append(path)
+            parent = nodes[path]
+    tokens: list[int] = []
+    parents: list[int] = []
+    queue = [(-1, p) for p in kids[-1]]  # (new parent index, path), breadth-first
+    while queue and len(tokens) < budget:
+        new_parent, path = queue.pop(0)
+        tokens.append(path[-1])
+        parents.append(new_parent)
+        here = len(tokens) - 1
+        queue += [(here, p) for p in kids.get(nodes[path], [])]
+    return tokens, tuple(parents)

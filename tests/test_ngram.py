@@ -66,10 +66,13 @@ def test_corpus_file_is_tokenized(tmp_path):
 def test_index_is_incremental_and_bounded_per_token():
     idx = NGramIndex(1, 3)
     idx.extend([1, 2, 3])
-    size = len(idx.last_end)
+    size = len(idx.ends)
     idx.extend([4])
-    assert len(idx.last_end) - size <= 3  # one entry per n at most
-    assert idx.last_end[(2, 3, 4)] == 3
+    assert len(idx.ends) - size <= 3  # one entry per n at most
+    assert idx.ends[(2, 3, 4)] == [3]
+    idx.extend([2, 3, 4] * (NGramIndex.KEEP + 2))
+    assert len(idx.ends[(2, 3, 4)]) == NGramIndex.KEEP  # only the latest ends are kept
+    assert idx.ends[(2, 3, 4)][-1] == len(idx.tokens) - 1
 
 
 @pytest.mark.parametrize("kw", [dict(min_n=0), dict(min_n=3, max_n=2)])

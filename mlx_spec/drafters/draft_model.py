@@ -27,7 +27,10 @@ class DraftModelDrafter(SavesState):
     taps: tuple[int, ...] = ()
     max_draft = MAX_DRAFT
 
-    def __init__(self, draft_model, draft_tokenizer=None):
+    def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1):
+        if not (isinstance(branches, int) and 1 <= branches <= 4):
+            raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
+        self.branches = branches
         self.model = draft_model
         self.tokenizer = draft_tokenizer
         self.cache: list = []
@@ -71,20 +74,40 @@ class DraftModelDrafter(SavesState):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
-        self._pending, self._k = [], k
-        return chain(logits, k, sampling, self._logits)
+        self._pending = []
+        b = self.branches
+        if b == 1 or k < 2:
+            draft = chain(logits, k, sampling, self._logits)
+            self._k, self._main = k, draft.tokens
+            return draft
+        # A tree: the draft's chain of its top tokens, each depth's next b - 1 tokens as leaves.
+        depth, tops = max(k // b, 1), []
+        for d in range(depth):
+            top = mx.argpartition(-logits, kth=b - 1)[:b]
+            top = top[mx.argsort(-logits[top])].astype(mx.uint32)
+            tops.append(top)
+            if d < depth - 1:
+                logits = self._logits(top[:1])
+        self._k, self._main = depth, mx.stack([t[0] for t in tops])
+        parents = tuple(-1 if d == 0 else (d - 1) * b for d in range(depth) for _ in range(b))
+        return Draft(mx.concatenate(tops), parents=parents)
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         tokens = list(tokens)
         if not self._k:  # nothing proposed this step: just queue what was kept
             self._pending += tokens
             return
-        n = len(tokens) - 1  # accepted drafts; tokens = [y, d0 .. d(n-1)]
-        # The draft consumed pending + [y, d0 .. d(k-2)]; keep the committed part.
-        kept = self._fed + tokens[1 : self._k]
-        self._ckpt.keep(kept, len(self._fed) + self._k - 1)
-        self._pending = tokens[-1:] if n == self._k else []
-        self._k, self._ckpt = 0, None
+        # The draft consumed pending + [y] + its chain but the last token; it keeps the longest
+        # prefix of that which was committed (a tree's kept path may leave its chain) and
+        # queues the rest of the committed tokens.
+        fed = self._fed + self._main.tolist()[: self._k - 1]
+        committed = self._fed[:-1] + tokens
+        same = 0
+        while same < min(len(fed), len(committed)) and fed[same] == committed[same]:
+            same += 1
+        self._ckpt.keep(fed[:same], len(fed))
+        self._pending = committed[same:]
+        self._k, self._ckpt, self._main = 0, None, None
 
 
 def _check_same_vocab(target_tok, draft_tok) -> None:

@@ -1,9 +1,12 @@
 """Prompt lookup: propose what followed the last occurrence of the context's suffix.
 
+With `branches` > 1, the continuations of several earlier occurrences (most
+recent first, merged on common prefixes) form a draft tree (`mlx_spec.tree`).
+
 The longest suffix of the context (n from `max_n` down to `min_n`) that occurred
 before wins, and its most recent earlier occurrence supplies up to k tokens.
-The index maps each n-gram to the position where it last ended and is updated
-per committed token, so a lookup costs O(max_n) whatever the context length.
+The index maps each n-gram to the positions where it last ended (a few, for
+trees) and is updated per committed token, so a lookup costs O(max_n) whatever the context length.
 An optional static corpus (like llama.cpp's lookup-cache-static) is consulted
 when the context has no match.
 """
@@ -15,6 +18,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from .. import tree
 from ..sampling import Sampling
 from .base import EMPTY, MAX_DRAFT, Draft, SavesState
 
@@ -22,40 +26,46 @@ from .base import EMPTY, MAX_DRAFT, Draft, SavesState
 
 
 class NGramIndex:
-    """Tokens plus, for each n in [min_n, max_n], n-gram -> last end position."""
+    """Tokens plus, for each n in [min_n, max_n], n-gram -> its last `KEEP` end positions."""
+
+    KEEP = 4  # earlier occurrences kept per n-gram: the branches of a tree draft
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self.last_end: dict[tuple[int, ...], int] = {}
+        self.ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             self.tokens.append(int(t))
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.last_end[tuple(self.tokens[end - n :])] = end - 1
+                seen = self.ends.setdefault(tuple(self.tokens[end - n :]), [])
+                seen.append(end - 1)
+                if len(seen) > self.KEEP:
+                    del seen[0]
 
-    def lookup(self, context: list[int], y: int, k: int) -> list[int]:
-        """Continuation of the longest suffix of `context + [y]` seen in these tokens.
+    def lookup(self, context: list[int], y: int, k: int, branches: int = 1) -> list[list[int]]:
+        """Up to `branches` continuations (most recent match first, distinct) of the longest
+        suffixes of `context + [y]` seen in these tokens, each up to k tokens.
 
         When `context` is these tokens themselves, a continuation that runs into
         the end goes on with y (the context continues with y).
         """
-        toks = self.tokens
+        toks, found = self.tokens, []
         for n in range(self.max_n, self.min_n - 1, -1):
             if n - 1 > len(context):
                 continue
             key = tuple(context[len(context) - (n - 1) :]) + (y,)
-            end = self.last_end.get(key)
-            if end is None:
-                continue
-            cont = toks[end + 1 : end + 1 + k]
-            if context is toks and len(cont) < k:
-                cont.append(y)
-            if cont:
-                return cont
-        return []
+            for end in reversed(self.ends.get(key, ())):
+                cont = toks[end + 1 : end + 1 + k]
+                if context is toks and len(cont) < k:
+                    cont.append(y)
+                if cont and cont not in found:
+                    found.append(cont)
+                if len(found) == branches:
+                    return found
+        return found
 
 
 class NGramDrafter(SavesState):
@@ -71,10 +81,13 @@ class NGramDrafter(SavesState):
         min_n: int = 2,
         max_n: int = 4,
         corpus: str | Path | Sequence[int] | None = None,
+        branches: int = 1,
     ):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        if not (isinstance(branches, int) and 1 <= branches <= NGramIndex.KEEP):
+            raise ValueError(f"branches must be an integer in 1..{NGramIndex.KEEP}, got {branches!r}")
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
         self.corpus = corpus
         self._corpus_index: NGramIndex | None = None
         self._index = NGramIndex(min_n, max_n)
@@ -98,10 +111,13 @@ class NGramDrafter(SavesState):
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         context = self._index.tokens
-        cont = self._index.lookup(context, y, k)
-        if not cont and self._corpus_index is not None:
-            cont = self._corpus_index.lookup(context, y, k)
-        return Draft(mx.array(cont, mx.uint32)) if cont else EMPTY
+        found = self._index.lookup(context, y, k, self.branches)
+        if not found and self._corpus_index is not None:
+            found = self._corpus_index.lookup(context, y, k, self.branches)
+        if len(found) <= 1:
+            return Draft(mx.array(found[0], mx.uint32)) if found else EMPTY
+        tokens, parents = tree.trie(found, k)  # several matches: a tree of their continuations
+        return Draft(mx.array(tokens, mx.uint32), parents=parents)
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         self._index.extend(tokens)
