@@ -24,6 +24,7 @@ _EXPORTS = {
     "Draft": ".drafters",
     "Drafter": ".drafters",
     "DraftModelDrafter": ".drafters",
+    "MixedDrafter": ".drafters",
     "NGramDrafter": ".drafters",
     "Response": ".decode",
     "generate": ".decode",

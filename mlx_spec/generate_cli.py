@@ -25,7 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model folder, Hugging Face repo or zoo name (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None,
-                   help="drafter: ngram (default), none, mtp, dspark, or a converted head folder")
+                   help="drafter: ngram (default), none, mtp, dspark, ngram+model (with --draft-model: "
+                   "both, merged into a tree), or a converted head folder")
+    p.add_argument("--branches", type=int, default=1,
+                   help="draft trees: up to this many candidates per position (n-gram: earlier "
+                   "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -53,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens processed at a time (smaller: lower peak memory)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as is, without the model's chat template")
+    p.add_argument("--compare", action="store_true",
+                   help="also decode the prompt plainly (interleaved) and print the measured speed-up")
     p.add_argument("--verbose", nargs="?", const=True, default=None, type=_bool, metavar="True|False",
                    help="False: print only the generated text. True or the bare flag: also "
                    "acceptance per draft position, and tracebacks on errors")
@@ -78,8 +84,9 @@ def _bool(value: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.draft is not None and args.draft_model is not None:
-        print("error: --draft and --draft-model are alternatives; give one", file=sys.stderr)
+    if args.draft not in (None, "ngram+model") and args.draft_model is not None:
+        print("error: --draft and --draft-model are alternatives (or --draft ngram+model with "
+              "--draft-model for both); give one", file=sys.stderr)
         return 2
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -112,14 +119,20 @@ def _local_folder(model_path: str) -> str:
 def make_drafter(args, model, model_path: str):
     import mlx_spec
 
+    branches = getattr(args, "branches", 1)
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        return mlx_spec.DraftModelDrafter(draft, draft_tok)
+        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches)
+        if args.draft == "ngram+model":  # both, merged into one draft tree per step
+            return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
+        return model_drafter
+    if args.draft == "ngram+model":
+        raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
     kind = args.draft or "ngram"
     if kind == "none":
         return None
     if kind == "ngram":
-        return mlx_spec.NGramDrafter()
+        return mlx_spec.NGramDrafter(branches=branches)
     if kind in ("mtp", "dspark"):  # weights inside the target checkpoint
         drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
         k = getattr(args, "num_draft_tokens", "auto")
@@ -155,20 +168,38 @@ def _generate(args, prompt: str) -> int:
     show = args.verbose is not False
     if show:
         print("=" * 10)
+    options = dict(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temp=args.temp,
+                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                   max_kv_size=args.max_kv_size, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                   quantized_kv_start=args.quantized_kv_start, prefill_step_size=args.prefill_step_size)
     text, last = "", None
-    for last in mlx_spec.stream_generate(
-        model, tokenizer, ids, drafter, max_tokens=args.max_tokens,
-        num_draft_tokens=args.num_draft_tokens, temp=args.temp, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, seed=args.seed, max_kv_size=args.max_kv_size, kv_bits=args.kv_bits,
-        kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
-        prefill_step_size=args.prefill_step_size,
-    ):
+    for last in mlx_spec.stream_generate(model, tokenizer, ids, drafter, **options):
         print(last.text, end="", flush=True)
         text += last.text
     print()
     if show:
         _summary(last.stats, drafter, args, empty=not text)
+    if args.compare:
+        _compare(model, tokenizer, ids, drafter, options, last)
     return 0
+
+
+def _compare(model, tokenizer, ids, drafter, options, first) -> None:
+    """The same prompt decoded plainly and speculatively again, interleaved, and the speed-up."""
+    import mlx_spec
+
+    runs = {"plain": [], "speculative": []}
+    tokens = {}
+    for name, d in (("plain", None), ("speculative", drafter), ("plain", None)):
+        out = list(mlx_spec.stream_generate(model, tokenizer, ids, d, **options))
+        runs[name].append(out[-1].stats.generation_tps)
+        tokens[name] = [r.token for r in out]
+    runs["speculative"].append(first.stats.generation_tps)
+    plain = sum(runs["plain"]) / 2
+    spec = sum(runs["speculative"]) / 2
+    same = "same tokens" if tokens["plain"] == tokens["speculative"] else "other tokens (sampled)"
+    print(f"Compare: plain {plain:.2f} tokens-per-sec, speculative {spec:.2f} tokens-per-sec: "
+          f"{spec / plain:.2f}x ({same}; plain, speculative, plain, speculative interleaved)")
 
 
 def encode_prompt(tokenizer, prompt: str, system: str | None, chat: bool) -> list[int]:

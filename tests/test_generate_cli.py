@@ -128,3 +128,15 @@ def test_cache_flags_reach_the_loop(folder, capsys, monkeypatch):
     assert rc == 0, err
     assert (seen["max_kv_size"], seen["kv_bits"], seen["kv_group_size"], seen["quantized_kv_start"],
             seen["prefill_step_size"]) == (16, 8, 32, 900, 8)
+
+
+def test_compare_prints_the_measured_speed_up_and_trees_and_mixed_drafters_run(folder, capsys):
+    rc, out, _ = _run(folder, capsys, "--prompt", "w3 w4 w3 w4 w3", "-m", "6", "--compare",
+                      "--branches", "2")
+    line = next(x for x in out.splitlines() if x.startswith("Compare:"))
+    assert rc == 0 and "x (same tokens" in line
+    rc, out, _ = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--draft", "ngram+model",
+                      "--draft-model", str(folder))
+    assert rc == 0 and "MixedDrafter" in out
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "ngram+model")
+    assert rc == 2 and "needs --draft-model" in err

@@ -167,3 +167,43 @@ def test_sampled_trees_keep_the_targets_law_and_a_wrong_walk_is_caught(monkeypat
     monkeypatch.setattr(tree, "walk", wrong_walk)
     L.assert_caught(L.sampled_runs(model, [1, 2, 3, 1, 2], SampledForks, 400, max_tokens=5, k=4,
                                    vocab=8, temp=1.0), joint)
+
+
+def test_ngram_proposes_a_tree_of_its_earlier_matches_most_recent_first():
+    d = mlx_spec.NGramDrafter(min_n=1, max_n=2, branches=3)
+    d.bind(None, None)
+    d.prefill([5, 6, 8, 9, 1, 5, 6, 3, 4, 1, 5, 6, 8, 7, 1], None)  # "5 6" then 8 9, 3 4, 8 7
+    draft = d.propose(5, 4, mlx_spec.Sampling())  # the context ends "... 1" and y = 5
+    sequences = [[6, 8, 7, 1], [6, 3, 4, 1], [6, 8, 9, 1]]
+    want_tokens, want_parents = tree.trie(sequences, 4)
+    assert draft.tokens.tolist() == want_tokens and draft.parents == want_parents
+    assert d.propose(42, 4, mlx_spec.Sampling()).size == 0  # never seen: nothing
+
+
+def test_tree_sources_keep_greedy_output():
+    """n-gram with several matches, a draft model with its runner-up tokens, and the two
+    mixed: each verifies trees and keeps the target's output token for token."""
+    model = tiny.llama_model(seed=2)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7, 2, 5, 6]
+    want = reference(model, prompt, 40)
+    noisy = tiny.llama_model(seed=2)
+    noisy.lm_head.weight = noisy.lm_head.weight + 2.0 * mx.random.normal(noisy.lm_head.weight.shape,
+                                                                         key=mx.random.key(3))
+    sources = {"ngram": (lambda: mlx_spec.NGramDrafter(min_n=1, branches=3), 0),
+               "draft-model": (lambda: mlx_spec.DraftModelDrafter(noisy, branches=2), 3),
+               "mixed": (lambda: mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(min_n=1),
+                                                       mlx_spec.DraftModelDrafter(noisy)), 1)}
+    for name, (make, at_least) in sources.items():
+        drafter, trees_seen = make(), [0]
+        propose = drafter.propose
+
+        def spy(y, k, sampling, propose=propose):
+            d = propose(y, k, sampling)
+            trees_seen[0] += d.parents is not None and not tree.is_chain(d.parents)
+            return d
+
+        drafter.propose = spy
+        out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=40,
+                                            num_draft_tokens=6))
+        assert [r.token for r in out] == want, name
+        assert trees_seen[0] >= at_least and out[-1].stats.accepted > 0, name

@@ -26,6 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="drafter: ngram (default), none, mtp, dspark, or a converted head folder")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
+    p.add_argument("--branches", type=int, default=1,
+                   help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="default draft length: 1..16, or auto (default); requests may set their own")
     p.add_argument("--host", default="127.0.0.1",
@@ -66,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and not args.api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model; give --api-key KEY (or bind 127.0.0.1)", file=sys.stderr)
-    if args.draft is not None and args.draft_model is not None:
-        print("error: --draft and --draft-model are alternatives; give one", file=sys.stderr)
+    if args.draft not in (None, "ngram+model") and args.draft_model is not None:
+        print("error: --draft and --draft-model are alternatives (or --draft ngram+model with "
+              "--draft-model for both); give one", file=sys.stderr)
         return 2
     if args.max_queue < 0:
         print("error: --max-queue must be 0 or more", file=sys.stderr)

@@ -1,0 +1,106 @@
+"""Several drafters as one: their proposals merged into one draft tree per step.
+
+    MixedDrafter(NGramDrafter(), DraftModelDrafter(draft))   # CLI: --draft ngram+model --draft-model D
+
+Every member proposes up to k tokens; the proposals are merged on common
+prefixes into one tree of at most k nodes, the first member's branch first
+(`mlx_spec.tree.trie`), and the target verifies them all in one forward. Merging
+needs the proposals' tokens on the host, so `propose` reads them (one extra
+sync when a member drafts with a model). When
+a single member has something to propose, its own draft is used as is (with
+its `q`). Every member is told what the target kept, whichever branch that was:
+each trims its own state back to what was committed, as the protocol requires.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+from .. import tree
+from ..sampling import Sampling
+from .base import EMPTY, MAX_DRAFT, Draft
+
+
+class MixedDrafter:
+    def __init__(self, *drafters):
+        if len(drafters) < 2:
+            raise ValueError("MixedDrafter needs two drafters or more")
+        self.drafters = list(drafters)
+
+    @property
+    def taps(self) -> tuple:
+        out: list = []
+        for d in self.drafters:
+            out += [t for t in d.taps if t not in out]
+        return tuple(out)
+
+    @property
+    def max_draft(self) -> int:
+        return min(MAX_DRAFT, max(d.max_draft for d in self.drafters))
+
+    @property
+    def model(self):  # the adaptive policy charges a draft model's per-token cost
+        return next((d.model for d in self.drafters if getattr(d, "model", None) is not None), None)
+
+    def _taps_for(self, drafter, taps: dict | None) -> dict | None:
+        return None if taps is None or not drafter.taps else {t: taps[t] for t in drafter.taps}
+
+    def bind(self, model, tokenizer) -> None:
+        for d in self.drafters:
+            d.bind(model, tokenizer)
+
+    def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
+        for d in self.drafters:
+            d.prefill(tokens, self._taps_for(d, taps))
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        drafts = [d.propose(y, min(k, d.max_draft), sampling) for d in self.drafters]
+        found = [d for d in drafts if d.size]
+        if not found:
+            return EMPTY
+        if len(found) == 1:
+            return found[0]
+        sequences = []
+        for d in found:  # host tokens: n-gram's are, a model's are evaluated here (one sync)
+            tokens = d.tokens.tolist()
+            if d.parents is None:
+                sequences.append(tokens)
+            else:
+                sequences += _paths(tokens, d.parents)
+        tokens, parents = tree.trie(sequences, k)
+        return Draft(mx.array(tokens, mx.uint32), parents=parents)
+
+    def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
+        for d in self.drafters:
+            d.commit(tokens, self._taps_for(d, taps))
+
+    # ---- SavesState, member by member ------------------------------------------------------
+    def save_state(self) -> list:
+        return [d.save_state() for d in self.drafters]
+
+    def restore_state(self, state: list) -> None:
+        for d, s in zip(self.drafters, state):
+            d.restore_state(s)
+
+    def fork(self) -> MixedDrafter:
+        import weakref
+
+        new = MixedDrafter(*[d.fork() for d in self.drafters])
+        new.forked_from = weakref.ref(self)
+        return new
+
+
+def _paths(tokens: list[int], parents: Sequence[int]) -> list[list[int]]:
+    """Root-to-leaf token paths of a tree, in the order of its leaves."""
+    kids = tree.children(parents)
+    out = []
+    for j in range(len(tokens)):
+        if not kids[j + 1]:
+            path, i = [], j
+            while i >= 0:
+                path.insert(0, tokens[i])
+                i = parents[i]
+            out.append(path)
+    return out
