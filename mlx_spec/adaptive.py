@@ -48,7 +48,9 @@ from .cache import MAX_DRAFT
 log = logging.getLogger("mlx_spec")
 
 N_MAX = MAX_DRAFT + 1  # verify rows: y plus at most MAX_DRAFT drafted tokens
-PRIOR, PRIOR_WEIGHT = 0.6, 2  # acceptance assumed before observing, worth 2 observations
+# Acceptance assumed before observing, worth 2 observations (what a policy learned is kept
+# on disk, so only the first run of a model and drafter starts from it).
+PRIOR, PRIOR_WEIGHT = 0.6, 2
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
@@ -342,8 +344,51 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
     if recalibrate or key not in known:
         origin = getattr(drafter, "forked_from", lambda: None)()  # a fork starts warm, on its own copy
         learned = _POLICIES.get(origin, {}).get(key) if origin is not None else None
-        known[key] = copy.deepcopy(learned) if learned is not None and not recalibrate else fresh()
+        policy = copy.deepcopy(learned) if learned is not None and not recalibrate else fresh()
+        if learned is None and not recalibrate:
+            _load_learned(policy, policy_file(model, drafter, sampling))  # an earlier process's
+        known[key] = policy
     return known[key]
+
+
+def policy_file(model, drafter, sampling) -> Path:
+    """Where what a policy learned is kept: per model, drafter kind and sampling mode."""
+    parent = getattr(drafter, "forked_from", lambda: None)() or drafter
+    kind = type(parent).__name__
+    draft_model = getattr(parent, "model", None)
+    if draft_model is not None:
+        kind += "-" + model_key(draft_model)
+    mode = "greedy" if sampling is None or sampling.greedy else "sampled"
+    return cache_dir() / f"{model_key(model)}-{kind}-{mode}.policy.json"
+
+
+LEARNED = ("accept", "seen", "scale", "shape")
+
+
+def save_learned(policy: AdaptiveK, path: Path) -> None:
+    """Keep what `policy` learned for the next process (never raises: it is only a warm start)."""
+    data = {name: getattr(policy, name) for name in LEARNED}
+    data["shape"] = {str(k): v for k, v in policy.shape.items()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass
+
+
+def _load_learned(policy: AdaptiveK, path: Path) -> None:
+    try:
+        data = json.loads(path.read_text())
+        accept, seen = data["accept"], data["seen"]
+        if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
+            return  # another draft limit: start cold
+        policy.accept, policy.seen = accept, seen
+        policy.scale = data["scale"]
+        policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
 
 
 def hand_back(drafter) -> None:

@@ -159,6 +159,7 @@ class Row:
                 self.user_cache[:] = self.cache
         finally:
             self.settled = True
+            self._keep_learned()
             if self.drafter is not None and hasattr(self.drafter, "forked_from"):
                 from .adaptive import hand_back
 
@@ -166,6 +167,13 @@ class Row:
             if self.taps is not None:
                 self.taps.remove()
                 self.taps = None
+
+    def _keep_learned(self) -> None:
+        """What an adaptive policy learned outlives the process (unseeded runs only)."""
+        from .adaptive import AdaptiveK, policy_file, save_learned
+
+        if isinstance(self.lengths, AdaptiveK) and self.lengths.timed and self.stats.target_forwards:
+            save_learned(self.lengths, policy_file(self.model, self.drafter, self.req.sampling))
 
     def _finish_cache(self, seen: int) -> None:
         want = len(self.req.prompt) + len(self.out)
