@@ -359,7 +359,24 @@ def policy_file(model, drafter, sampling) -> Path:
     if draft_model is not None:
         kind += "-" + model_key(draft_model)
     mode = "greedy" if sampling is None or sampling.greedy else "sampled"
-    return cache_dir() / f"{model_key(model)}-{kind}-{mode}.policy.json"
+    return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
+
+
+def policy_dir() -> Path:
+    return cache_dir() / "policies"
+
+
+def weights_key(model) -> str:
+    """A fingerprint of the weights themselves (acceptance depends on them, unlike costs):
+    a few values from the middle of the largest parameter tensor (the embedding, usually)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = [v for _, v in tree_flatten(model.parameters())]
+    big = max(params, key=lambda v: v.size, default=None)
+    flat = big.reshape(-1) if big is not None else mx.zeros((0,))
+    probe = flat[flat.size // 2 : flat.size // 2 + 16].astype(mx.float32).tolist()
+    return hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:8]
 
 
 LEARNED = ("accept", "seen", "scale", "shape")

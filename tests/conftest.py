@@ -32,6 +32,14 @@ def _private_calibration_cache(tmp_path_factory):
     mp.undo()
 
 
+@pytest.fixture(autouse=True)
+def _private_policies(tmp_path, monkeypatch):
+    """What one test's adaptive policy learns is not a warm start for the next test."""
+    from mlx_spec import adaptive
+
+    monkeypatch.setattr(adaptive, "policy_dir", lambda: tmp_path / "policies")
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
     """Folder of the zoo's SmolLM2-135M-Instruct in float32 (downloaded on first use)."""

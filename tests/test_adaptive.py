@@ -345,13 +345,12 @@ def test_a_seeded_auto_run_repeats_exactly_whatever_the_timings(temp, monkeypatc
     assert first == second and len(set(first[1])) > 1  # several k were chosen, the same ones
 
 
-def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path, monkeypatch):
-    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
+def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path):
     model = tiny.llama_model(seed=4)
     prompt = [5, 6, 7, 8]
     first = mlx_spec.DraftModelDrafter(model)  # the target itself: everything is accepted
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, first, max_tokens=30))
-    files = list(tmp_path.glob("*DraftModelDrafter*-greedy.policy.json"))
+    files = list(adaptive.policy_dir().glob("*DraftModelDrafter*-greedy.json"))
     assert len(files) == 1
     (learned,) = adaptive._POLICIES.get(first).values()
     later = mlx_spec.DraftModelDrafter(model)  # another object, as in a new process
@@ -360,3 +359,6 @@ def test_a_new_process_starts_from_what_the_last_one_learned(tmp_path, monkeypat
     assert max(policy.estimates(s)[0] for s in (0, 1)) > adaptive.PRIOR + 0.1
     sampled = adaptive.policy_for(model, later, 16, sampling=mlx_spec.Sampling(temp=1.0))
     assert sampled.estimates(0)[0] == adaptive.PRIOR  # another sampling mode starts cold
+    other = tiny.llama_model(seed=5)  # same architecture, other weights: starts cold
+    fresh = mlx_spec.DraftModelDrafter(model)
+    assert adaptive.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
