@@ -48,9 +48,10 @@ from .cache import MAX_DRAFT
 log = logging.getLogger("mlx_spec")
 
 N_MAX = MAX_DRAFT + 1  # verify rows: y plus at most MAX_DRAFT drafted tokens
-# Acceptance assumed before observing, worth 2 observations (what a policy learned is kept
-# on disk, so only the first run of a model and drafter starts from it).
-PRIOR, PRIOR_WEIGHT = 0.6, 2
+# Acceptance assumed before observing, worth 2 observations. Cautious: a cold start drafts
+# short until acceptance proves itself; what a policy learned is kept on disk, so only the
+# first run of a model, drafter kind and sampling mode starts cold.
+PRIOR, PRIOR_WEIGHT = 0.4, 2
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured

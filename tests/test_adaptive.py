@@ -215,7 +215,9 @@ def auto_runs(monkeypatch, runs, seed0=0):
     run. The verify cost curve is pinned (1 + 0.13 n ms): the first step then drafts 3,
     and after a rejection the policy often drafts less than the max_tokens cap allows.
     Pinned, the choices do not follow this shared machine's timing noise (measured here,
-    a calibrated curve sometimes never let it draft 3)."""
+    a calibrated curve sometimes never let it draft 3). The prior is a warm one (0.6, as a
+    policy learned on this pattern would start), not the cautious cold start."""
+    monkeypatch.setattr(adaptive, "PRIOR", 0.6)
     monkeypatch.setattr(adaptive, "verify_seconds",
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.13 * n) for n in range(n_max)],
                         raising=False)
