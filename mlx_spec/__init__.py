@@ -11,6 +11,7 @@ stays instant and does not load MLX.
 from __future__ import annotations
 
 import importlib
+import os
 
 __version__ = "0.1.0"
 
@@ -49,7 +50,7 @@ def __dir__():
     return sorted([*globals(), *_EXPORTS])
 
 
-def load(path_or_repo: str):
+def load(path_or_repo: "str | os.PathLike"):
     """Load an mlx-lm model folder or Hugging Face repo: returns (model, tokenizer).
 
     A model type mlx-lm lacks but `mlx_spec.targets.TARGETS` lists (DeepSeek-V4-Flash,
@@ -64,6 +65,7 @@ def load(path_or_repo: str):
     from .load_errors import ModelFileNotFoundError, explained
     from .targets import config_of, loader_for
 
+    path_or_repo = os.fspath(path_or_repo)  # a pathlib.Path works as well as a string
     path = Path(path_or_repo).expanduser()
     looks_like_repo = path_or_repo.count("/") == 1 and not path_or_repo.startswith((".", "/", "~"))
     if not path.exists() and not looks_like_repo:

@@ -86,26 +86,45 @@ class TreeCache:
 
 
 class DepthRoPE:
-    """A rope instance applying position `offset + depth` to each node of a tree block."""
+    """A rope instance applying position `offset + depth` to each node of a tree block: the
+    nodes become a batch of one-token rows, rotated by one call with per-row offsets where
+    the rope takes an array offset (MLX's own and mlx-lm's scaled ropes), else one call per
+    depth."""
 
     def __init__(self, inner, depths_: list[int]):
-        self.inner = inner
+        self.inner, self.depths = inner, depths_
+        self.per_row = type(inner) in _ARRAY_OFFSET_ROPES
+        order = sorted(range(len(depths_)), key=depths_.__getitem__)
         groups, start = [], 0
         for d in sorted(set(depths_)):
             end = start + depths_.count(d)
             groups.append((d, start, end))
             start = end
         self.groups = groups
+        self.order, self.unorder = mx.array(order), mx.array(sorted(range(len(order)), key=order.__getitem__))
 
     def __call__(self, x, offset=0):
-        parts = []
-        for d, s, e in self.groups:  # one call per depth: the nodes as a batch of one-token rows
-            g = x[..., s:e, :]
-            B, H, n, D = g.shape
-            rows = g.transpose(2, 0, 1, 3).reshape(n * B, H, 1, D)
-            out = self.inner(rows, offset=offset + d)
-            parts.append(out.reshape(n, B, H, D).transpose(1, 2, 0, 3))
-        return mx.concatenate(parts, axis=2)
+        B, H, n, D = x.shape
+        rows = x.transpose(2, 0, 1, 3).reshape(n * B, H, 1, D)  # node-major, then batch
+        if self.per_row:
+            offsets = mx.repeat(mx.array(self.depths, mx.int32) + offset, B)
+            out = self.inner(rows, offset=offsets)
+        else:
+            rows = rows.reshape(n, B, H, 1, D)[self.order].reshape(n * B, H, 1, D)
+            parts = [self.inner(rows[s * B : e * B], offset=offset + d) for d, s, e in self.groups]
+            out = mx.concatenate(parts).reshape(n, B, H, 1, D)[self.unorder]
+        return out.reshape(n, B, H, D).transpose(1, 2, 0, 3)
+
+
+def _array_offset_ropes() -> tuple:
+    import mlx.nn as nn
+    from mlx_lm.models import rope_utils
+
+    names = ("Llama3RoPE", "YarnRoPE", "SuScaledRoPE")
+    return (nn.RoPE, *(getattr(rope_utils, n) for n in names if hasattr(rope_utils, n)))
+
+
+_ARRAY_OFFSET_ROPES = _array_offset_ropes()
 
 
 def _ropes(model) -> list[tuple[object, str]]:

@@ -151,6 +151,8 @@ def test_load_raises_model_load_error_which_old_handlers_still_catch(good, tmp_p
     _truncate(folder / "model.safetensors")
     with pytest.raises(ModelLoadError) as info:
         mlx_spec.load(str(folder))
+    with pytest.raises(ModelLoadError):
+        mlx_spec.load(folder)  # a Path too (not an AttributeError)
     e = info.value
     assert isinstance(e, ValueError) and isinstance(e, OSError) and mlx_spec.ModelLoadError is ModelLoadError
     assert e.path == folder / "model.safetensors" and "hf download" in e.fix and "\n" not in str(e)

@@ -43,6 +43,18 @@ def prefilled(model, prompt=PROMPT):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(parents=trees(), seed=st.integers(0, 999))
 def test_every_node_sees_exactly_its_path(parents, seed):
+    check_node_logits(parents, seed)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(parents=trees(), seed=st.integers(0, 999))
+def test_ropes_without_array_offsets_rotate_each_depth_apart(parents, seed):
+    with pytest.MonkeyPatch.context() as mp:  # e.g. mlx-lm's DynamicNTKScalingRoPE
+        mp.setattr(tree, "_ARRAY_OFFSET_ROPES", ())
+        check_node_logits(parents, seed)
+
+
+def check_node_logits(parents, seed):
     model = tiny.llama_model(seed=2)
     tree.depths(parents)  # valid breadth-first order
     rng = np.random.default_rng(seed)
