@@ -182,6 +182,10 @@ class BatchDecoder:
             observe_batch(self.model, [r.lengths for r in rows], [d.size for d in drafts], seconds)
         events = []
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
+            row.stats.tree_steps += drafts[rows.index(row)].parents is not None
+            if row.shape_pick is not None:
+                row.shapes.observe(row.shape_pick, v.n + 1, row.lengths.seconds(v.size))
+                row.shape_pick = None
             events.append((row.uid, row.verified(v, k, gain, seconds if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds
             row.stats.batch_sizes.append(len(verdicts))
@@ -195,7 +199,13 @@ class BatchDecoder:
         if draft.parents is None or tree.is_chain(draft.parents):
             return draft if draft.parents is None else tree.as_chain(draft)
         if width == 1 and tree.tree_capable(cache) and not row.req.logits_processors:
-            return draft
+            from .adaptive import AdaptiveK
+
+            if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
+                return draft
+            row.shapes = row.shapes or tree.ShapeChoice()
+            row.shape_pick = row.shapes.pick()  # auto: tree or chain, by what each has paid
+            return draft if row.shape_pick else tree.as_chain(draft)
         if not self._said_chain:
             self._said_chain = True
             log.info("draft trees need a single request on a target with plain KV caches and "

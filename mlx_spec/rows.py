@@ -64,6 +64,8 @@ class Row:
         self.ahead = None  # a pipelined plain step in flight: (lazy token, its logits)
         self.launched = 0  # pipelined steps launched
         self.lengths = None  # draft-length policy, set when the row starts decoding
+        self.shapes = None  # tree.ShapeChoice: auto's tree-or-chain choice, when trees come
+        self.shape_pick: bool | None = None  # this step's choice (True: the whole tree)
         self.steps = 0
         self.finish: str | None = None
         self.settled = False  # released: its drafter and prompt cache are free again
@@ -113,7 +115,7 @@ class Row:
         """A verify step's outcome for this row (k asked, `gain` the policy's estimate)."""
         if self.drafter is not None:
             self.later = ([self.y] + v.proposed[: v.n], v.taps)
-        self.lengths.observe(v.size, v.n, seconds)
+        self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds)  # per depth
         self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
         self.stats.sync_seconds = self.sync_seconds
         self.steps += 1

@@ -29,6 +29,7 @@ class SpecStats:
     sync_seconds: float = 0.0  # of which spent waiting for MLX to evaluate the step's graph
     chosen_k: list[int] = field(default_factory=list)  # draft length chosen at each verify step
     batch_sizes: list[int] = field(default_factory=list)  # rows verified together at each step
+    tree_steps: int = 0  # verify steps whose draft was a tree (verified whole)
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
     _pos_accepted: list[int] = field(default_factory=list, repr=False)

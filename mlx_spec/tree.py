@@ -245,3 +245,32 @@ def trie(sequences: Sequence[Sequence[int]], budget: int) -> tuple[list[int], tu
         here = len(tokens) - 1
         queue += [(here, p) for p in kids.get(nodes[path], [])]
     return tokens, tuple(parents)
+
+
+class ShapeChoice:
+    """Per request: verify a drafter's tree whole, or only its first branch (a chain),
+    whichever has given more tokens per predicted second of step (the draft-length policy's
+    cost curve, not wall time, so seeded runs repeat). Each shape is tried once first, then
+    the other one every `EXPLORE`-th time, so a change in what pays is noticed."""
+
+    EXPLORE, EMA = 8, 0.2
+
+    def __init__(self):
+        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self.picks = 0
+        self.counts = {True: 0, False: 0}  # steps verified each way
+
+    def pick(self) -> bool:
+        """True: verify the whole tree."""
+        self.picks += 1
+        untried = [whole for whole, r in self.rate.items() if r is None]
+        if untried:
+            return untried[0]
+        best = self.rate[True] >= self.rate[False]
+        return (not best) if self.picks % self.EXPLORE == 0 else best
+
+    def observe(self, whole: bool, tokens: int, seconds: float) -> None:
+        self.counts[whole] += 1
+        r, old = tokens / max(seconds, 1e-12), self.rate[whole]
+        self.rate[whole] = r if old is None else old + self.EMA * (r - old)
+

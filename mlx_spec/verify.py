@@ -35,6 +35,7 @@ class Verdict:
     taps: dict | None  # target hidden states at the kept inputs [y, d0 .. d(n-1)]
     logprobs: mx.array  # [n + 1, V] the target's log-probabilities of the emitted tokens (lazy)
     size: int  # rows drafted and verified (>= len(proposed))
+    depth: int | None = None  # a tree's levels (None: a chain, its size)
 
     @property
     def emitted(self) -> list[int]:
@@ -203,4 +204,5 @@ def verify_tree(model, cache: list, row, draft: Draft) -> Verdict:
     kept = [row.y] + [tokens[j] for j in path]
     row.last = (ckpt, kept)
     row.fed(kept)
-    return Verdict(kept[1:], len(path), nxt, taps, log_softmax(logits[mx.array(keep)]), len(parents))
+    return Verdict(kept[1:], len(path), nxt, taps, log_softmax(logits[mx.array(keep)]), len(parents),
+                   max(tree.depths(parents)))

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 import lossless as L
 import mlx_spec
+from mlx_spec import adaptive
 import tiny
 from mlx_spec import tree
 from mlx_spec.drafters.base import Draft
@@ -129,6 +130,41 @@ def test_greedy_through_trees_is_the_targets_own_and_takes_either_child():
     assert [r.token for r in out] == reference(model, PROMPT, 30)
     s = out[-1].stats
     assert s.accepted >= 15 and s.tau > 2.5  # deep paths through the forks were kept
+
+
+class RightFirst(Forks):
+    """The same trees, the target's token always the first child: the chain is as good."""
+
+    def propose(self, y, k, sampling):
+        self.rng = Always()
+        return super().propose(y, k, sampling)
+
+
+class Always:
+    def random(self):
+        return 0.0  # < 0.5: the right child first
+
+    def integers(self, lo, hi):
+        return lo
+
+
+@pytest.mark.parametrize("drafter, trees_pay", [(Forks, True), (RightFirst, False)])
+def test_auto_verifies_trees_only_where_they_pay(drafter, trees_pay, monkeypatch):
+    """auto picks per step between the whole tree and its first branch by tokens per
+    predicted second: trees where the target's token is often the second child, chains
+    (cheaper, as good) where it is always the first; the other shape is still tried."""
+    monkeypatch.setattr(adaptive, "verify_seconds",
+                        lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.1 * n) for n in range(n_max)])
+    model = tiny.llama_model(seed=2)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter(model, PROMPT, 60),
+                                        max_tokens=60, num_draft_tokens="auto"))
+    assert [r.token for r in out] == reference(model, PROMPT, 60)
+    s = out[-1].stats
+    steps = s.target_forwards
+    drafting = sum(1 for k in s.chosen_k if k >= 1)  # every drafting step offers a tree
+    assert drafting >= 10, s.chosen_k
+    assert 0 < s.tree_steps < drafting  # both shapes ran
+    assert (s.tree_steps > drafting / 2) == trees_pay, (s.tree_steps, drafting, steps)
 
 
 def test_a_recurrent_target_verifies_the_first_branch_as_a_chain():
