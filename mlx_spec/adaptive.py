@@ -369,18 +369,18 @@ def policy_dir() -> Path:
 
 def weights_key(model) -> str:
     """A fingerprint of the weights themselves (acceptance depends on them, unlike costs):
-    a few values from the middle of the largest parameter tensor (the embedding, usually)."""
+    a few values from the middle of every parameter tensor, read in one evaluation."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    params = [v for _, v in tree_flatten(model.parameters())]
-    big = max(params, key=lambda v: v.size, default=None)
-    flat = big.reshape(-1) if big is not None else mx.zeros((0,))
-    probe = flat[flat.size // 2 : flat.size // 2 + 16].astype(mx.float32).tolist()
+    flat = [v.reshape(-1) for _, v in tree_flatten(model.parameters())]
+    parts = [v[v.size // 2 : v.size // 2 + 4].astype(mx.float32) for v in flat if v.size]
+    probe = mx.concatenate(parts).tolist() if parts else []
     return hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:8]
 
 
 LEARNED = ("accept", "seen", "scale", "shape")
+LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
 
 
 def save_learned(policy: AdaptiveK, path: Path) -> None:
@@ -402,7 +402,10 @@ def _load_learned(policy: AdaptiveK, path: Path) -> None:
         accept, seen = data["accept"], data["seen"]
         if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
             return  # another draft limit: start cold
-        policy.accept, policy.seen = accept, seen
+        # Warm, but worth only a few observations: another process's workload (code, chat)
+        # may differ from this one's, so this request's own steps soon outweigh it.
+        policy.accept = accept
+        policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
     except (OSError, ValueError, KeyError, TypeError):
