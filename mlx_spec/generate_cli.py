@@ -129,6 +129,9 @@ def make_drafter(args, model, model_path: str):
     if args.draft == "ngram+model":
         raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
     kind = args.draft or "ngram"
+    if branches != 1 and kind != "ngram":
+        raise ValueError(f"--branches drafts trees with the n-gram and draft-model drafters; "
+                         f"--draft {kind} drafts chains (leave --branches out)")
     if kind == "none":
         return None
     if kind == "ngram":

@@ -140,3 +140,7 @@ def test_compare_prints_the_measured_speed_up_and_trees_and_mixed_drafters_run(f
     assert rc == 0 and "MixedDrafter" in out
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "ngram+model")
     assert rc == 2 and "needs --draft-model" in err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "none", "--branches", "2")
+    assert rc == 2 and "--branches drafts trees with the n-gram" in err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--branches", "7")
+    assert rc == 2 and "branches must be an integer in 1..4" in err
