@@ -347,10 +347,12 @@ def test_a_seeded_auto_run_repeats_exactly_whatever_the_timings(temp, monkeypatc
     assert first == second and len(set(first[1])) > 1  # several k were chosen, the same ones
 
 
-def test_a_new_process_starts_from_what_the_last_one_learned():
+def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
+    monkeypatch.setattr(adaptive, "verify_seconds",  # cheap verifies: it drafts at every step
+                        lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model = v8_successor_llama()  # continues the prompt's pattern: prompt lookup is accepted
     first = mlx_spec.NGramDrafter(min_n=1, max_n=2)
-    list(mlx_spec.stream_generate(model, tiny.tokenizer(), SUCCESSOR_PROMPT, first, max_tokens=40))
+    list(mlx_spec.stream_generate(model, tiny.tokenizer(), SUCCESSOR_PROMPT, first, max_tokens=120))
     files = list(adaptive.policy_dir().glob("*NGramDrafter-greedy.json"))
     assert len(files) == 1
     (learned,) = adaptive._POLICIES.get(first).values()
