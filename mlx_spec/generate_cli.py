@@ -11,6 +11,7 @@ on first use); with no drafter flag it drafts with prompt lookup (n-gram). The R
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .cli import report
@@ -53,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens processed at a time (smaller: lower peak memory)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as is, without the model's chat template")
+    p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
+                   help="split the target over the ranks of `mlx-spec launch` / mlx.launch: "
+                   "consecutive layers per rank, or every layer's matrices (rank 0 prints)")
     p.add_argument("--verbose", nargs="?", const=True, default=None, type=_bool, metavar="True|False",
                    help="False: print only the generated text. True or the bare flag: also "
                    "acceptance per draft position, and tracebacks on errors")
@@ -137,15 +141,16 @@ def make_drafter(args, model, model_path: str):
 
 
 def _generate(args, prompt: str) -> int:
-    import logging
-
     import mlx_spec
 
     log = logging.getLogger("mlx_spec")  # progress notes (e.g. calibration) on stderr
     log.setLevel(logging.INFO)
     log.addHandler(logging.StreamHandler(sys.stderr))
     model_path = resolve_model(args.model)
-    model, tokenizer = mlx_spec.load(model_path)
+    if args.shard is not None:
+        model, tokenizer = _load_sharded(model_path, args.shard, log)
+    else:
+        model, tokenizer = mlx_spec.load(model_path)
     for token in args.extra_eos_token:
         add_eos_token(tokenizer, token)
     drafter = make_drafter(args, model, model_path)
@@ -169,6 +174,23 @@ def _generate(args, prompt: str) -> int:
     if show:
         _summary(last.stats, drafter, args, empty=not text)
     return 0
+
+
+def _load_sharded(model_path: str, mode: str, log):
+    """This rank's part of the target; ranks other than 0 print nothing on stdout."""
+    import os
+
+    from . import distributed
+
+    group = distributed.init()
+    model, tokenizer = distributed.load(model_path, mode, group)
+    layout = distributed.describe(model)  # every rank takes part
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        log.setLevel(logging.WARNING)
+    else:
+        print(layout, file=sys.stderr)
+    return model, tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str, system: str | None, chat: bool) -> list[int]:

@@ -1,0 +1,83 @@
+"""One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
+
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT [MODE:TARGET:DRAFT ...] [desync]
+
+For each setup (a target folder sharded by MODE, a draft model folder) it writes
+OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
+with each other and with the unsharded target; one launch checks several setups
+(starting ranks costs seconds). `desync`: rank 1's drafter proposes other tokens
+from its third proposal on (the sync check must fire).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_spec
+from mlx_spec import distributed
+
+PROMPTS = ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 40, 41, 42, 11, 3, 40])
+N = 24
+
+
+class Desynced(mlx_spec.NGramDrafter):
+    """An n-gram drafter that, on rank 1, drafts other tokens from its third proposal on."""
+
+    calls = 0
+
+    def propose(self, y, k, sampling):
+        Desynced.calls += 1
+        draft = super().propose(y, k, sampling)
+        if Desynced.calls >= 3 and mx.distributed.init().rank() == 1 and k > 0:
+            from mlx_spec.drafters.base import Draft
+
+            tokens = (mx.arange(k) + 1).astype(mx.uint32)
+            return Draft(tokens)
+        return draft
+
+
+def tokens(model, tok, prompt, drafter, **kw):
+    return [r.token for r in mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=N, **kw)]
+
+
+def main() -> None:
+    out, setups = sys.argv[1], [a for a in sys.argv[2:] if a != "desync"]
+    group = distributed.init()
+    results = {}
+    for setup in setups:
+        mode, target, draft, *quick = setup.split(":")
+        model, tok = distributed.load(target, mode, group)
+        if "desync" in sys.argv:
+            tokens(model, tok, PROMPTS[0], Desynced(), num_draft_tokens=3)
+            return
+        results[setup] = run_all(model, tok, target, draft, bool(quick))
+        results[setup]["layout"] = distributed.describe(model)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
+
+
+def run_all(model, tok, target: str, draft: str, quick: bool) -> dict:
+    """Every drafter kind, greedy and sampled; `quick`: the first prompt, n-gram only."""
+    result = {}
+    reference, _ = mlx_spec.load(target)
+    draft_model, draft_tok = mlx_spec.load(draft)
+    for i, prompt in enumerate(PROMPTS[:1] if quick else PROMPTS):
+        result[f"unsharded{i}"] = tokens(reference, tok, prompt, None)
+        result[f"plain{i}"] = tokens(model, tok, prompt, None)
+        result[f"ngram{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), num_draft_tokens=3)
+        if not quick:
+            result[f"ngram_auto{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter())
+            result[f"draft_model{i}"] = tokens(model, tok, prompt,
+                                               mlx_spec.DraftModelDrafter(draft_model, draft_tok),
+                                               num_draft_tokens=4)
+        for seed in (1,) if quick else (1, 2):
+            opts = dict(temp=1.0, seed=seed, num_draft_tokens=3)
+            result[f"sampled{i}_{seed}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), **opts)
+            result[f"sampled_unsharded{i}_{seed}"] = tokens(reference, tok, prompt,
+                                                            mlx_spec.NGramDrafter(), **opts)
+    return result
+
+
+if __name__ == "__main__":
+    main()
