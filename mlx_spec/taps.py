@@ -120,6 +120,13 @@ class Taps:
         n = len(layers)
         self._installed: list[tuple[object, object, _Recorder]] = []  # (owner, key, recorder)
         self._where: dict[object, tuple[_Recorder, str]] = {}
+        shard = getattr(model, "_mlx_spec_shard", None)
+        if shard is not None and shard.mode == "pipeline" and any(t != FINAL_NORM for t in self.ids):
+            raise ValueError(
+                f"this drafter reads hidden states of decoder layers {list(self.ids)}, which sit on "
+                "other ranks of a pipeline-sharded target: not supported yet; use --shard tensor "
+                "(every rank sees every layer's output), or an n-gram or draft-model drafter"
+            )
         for tid in self.ids:  # all ids are checked before anything is wrapped
             if tid == FINAL_NORM and final_norm_name(self.stack) is None:
                 raise ValueError(f"{type(model).__name__} has no final norm to tap")

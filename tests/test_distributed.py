@@ -25,6 +25,12 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 ENV = {**os.environ, "MLX_SPEC_CHECK_SYNC": "1", "PYTHONPATH": str(HERE)}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_calibration_cache(tmp_path_factory):
+    """The ranks (other processes) keep their calibrations of tiny models out of ~/.cache."""
+    ENV["MLX_SPEC_CACHE"] = str(tmp_path_factory.mktemp("rank_cache"))
+
+
 def save(folder: Path, model) -> Path:
     folder.mkdir(parents=True)
     config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
@@ -182,3 +188,14 @@ def test_clear_errors_before_any_message():
 def test_layer_split():
     assert [distributed._split(4, 3, r) for r in range(3)] == [(0, 2), (2, 3), (3, 4)]
     assert [distributed._split(30, 4, r) for r in range(4)] == [(0, 8), (8, 16), (16, 23), (23, 30)]
+
+
+def test_layer_taps_refused_on_pipeline_stages():
+    from mlx_spec.taps import FINAL_NORM, Taps
+
+    model = tiny.llama_model(layers=4)
+    distributed.shard_model(model, "pipeline", FakeGroup(2, rank=1))  # builds wrappers only
+    assert distributed.shard_of(model).layers == (2, 4) and len(model.layers) == 2
+    with pytest.raises(ValueError, match="other ranks of a pipeline-sharded target"):
+        Taps(model, [1])
+    Taps(model, [FINAL_NORM]).remove()  # the final norm runs on every rank
