@@ -34,7 +34,8 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
+
+from .taps import SeeThrough
 
 CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
 LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
@@ -178,22 +179,7 @@ def _stage(inner, group, stats: LinkStats) -> tuple[int, int]:
     return start, end
 
 
-class _Wrapper(nn.Module):
-    """A layer seen through (attributes pass to the wrapped module)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def __getattr__(self, key):
-        if key in self:
-            return self[key]
-        if "inner" not in self:
-            raise AttributeError(key)
-        return getattr(self["inner"], key)
-
-
-class _Receive(_Wrapper):
+class _Receive(SeeThrough):
     """The first layer of a later stage: its input comes from the rank before."""
 
     def __init__(self, inner, group, stats):
@@ -206,7 +192,7 @@ class _Receive(_Wrapper):
         return self.inner(h, mask, cache, **kwargs)
 
 
-class _SendOn(_Wrapper):
+class _SendOn(SeeThrough):
     """The last layer of a stage: send its output on; every rank gets the last stage's."""
 
     def __init__(self, inner, group, stats):
@@ -227,7 +213,7 @@ class _SendOn(_Wrapper):
         return mx.distributed.all_sum(out, group=group)  # the last stage's h, on every rank
 
 
-class _Checked(_Wrapper):
+class _Checked(SeeThrough):
     """The embedding, checking first that every rank feeds the same tokens (debug)."""
 
     def __init__(self, inner, shard: Shard):

@@ -9,7 +9,8 @@ n-gram drafter; rank 0 also decodes them with the whole (unsharded) target
 forwards, ms per step, and for the sharded runs the part of a step that is not
 the target's arithmetic (sharded ms per forward minus unsharded ms per forward
 of the same width: messages, waiting for the other ranks, simulated latency),
-plus the first position where the sharded greedy text differs, if any.
+plus the first position where the sharded greedy text differs, if any, and the
+median time of one all_sum of a draft proposal and of a hidden state.
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def main() -> int:
         s = out[-1].stats
         return [r.token for r in out], s, time.perf_counter() - tic
 
+    def message_ms(shape, dtype=mx.float32, repeats=40) -> float:
+        """Median ms of one all_sum of `shape` (every rank at once), simulated latency included."""
+        x = mx.zeros(shape, dtype)
+        mx.eval(x)
+        times = []
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            model._mlx_spec_shard.stats.message()
+            mx.eval(mx.distributed.all_sum(x, group=group))
+            times.append(1000 * (time.perf_counter() - tic))
+        return round(statistics.median(times), 3)
+
+    width = model.args.hidden_size
+    messages = {"draft proposal (4 ints)": message_ms((4,), mx.int32),
+                "hidden state, 1 token": message_ms((1, 1, width)),
+                "hidden state, 5 tokens": message_ms((1, 5, width))}
     runs = {}
     for _ in range(args.rounds):
         for i, ids in enumerate(prompts):
@@ -103,8 +120,9 @@ def main() -> int:
 
     result = {"layout": layout, "shard": args.shard, "k": args.k, "max_tokens": args.max_tokens,
               "latency_ms": float(os.environ.get(distributed.LATENCY_ENV, "0") or 0),
-              "rows": rows, "greedy_text_vs_whole": diverge}
+              "rows": rows, "greedy_text_vs_whole": diverge, "all_sum_ms": messages}
     print(layout)
+    print("one all_sum, median ms:", messages)
     print(f"simulated link latency per message: {result['latency_ms']} ms")
     print("| method | target | tok/s | ms/step | tokens/forward | not compute, ms/step |")
     print("|---|---|---:|---:|---:|---:|")
