@@ -1,6 +1,6 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
-    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT [MODE:TARGET:DRAFT ...] [desync]
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto] [...] [desync]
 
 For each setup (a target folder sharded by MODE, a draft model folder) it writes
 OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
@@ -47,18 +47,19 @@ def main() -> None:
     group = distributed.init()
     results = {}
     for setup in setups:
-        mode, target, draft, *quick = setup.split(":")
+        mode, target, draft, *flags = setup.split(":")
         model, tok = distributed.load(target, mode, group)
         if "desync" in sys.argv:
             tokens(model, tok, PROMPTS[0], Desynced(), num_draft_tokens=3)
             return
-        results[setup] = run_all(model, tok, target, draft, bool(quick))
+        results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 
-def run_all(model, tok, target: str, draft: str, quick: bool) -> dict:
-    """Every drafter kind, greedy and sampled; `quick`: the first prompt, n-gram only."""
+def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> dict:
+    """Every drafter kind, greedy and sampled; `quick`: the first prompt, n-gram only;
+    `noauto`: no adaptive draft length (its calibration costs ~70 forwards)."""
     result = {}
     reference, _ = mlx_spec.load(target)
     draft_model, draft_tok = mlx_spec.load(draft)
@@ -66,8 +67,9 @@ def run_all(model, tok, target: str, draft: str, quick: bool) -> dict:
         result[f"unsharded{i}"] = tokens(reference, tok, prompt, None)
         result[f"plain{i}"] = tokens(model, tok, prompt, None)
         result[f"ngram{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), num_draft_tokens=3)
-        if not quick:
+        if not (quick or noauto):
             result[f"ngram_auto{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter())
+        if not quick:
             result[f"draft_model{i}"] = tokens(model, tok, prompt,
                                                mlx_spec.DraftModelDrafter(draft_model, draft_tok),
                                                num_draft_tokens=4)
@@ -76,6 +78,17 @@ def run_all(model, tok, target: str, draft: str, quick: bool) -> dict:
             result[f"sampled{i}_{seed}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), **opts)
             result[f"sampled_unsharded{i}_{seed}"] = tokens(reference, tok, prompt,
                                                             mlx_spec.NGramDrafter(), **opts)
+    if not quick:  # a prompt cache over two turns, the first stopped mid-block by the caller
+        for name, target_model in (("cache_turns", model), ("cache_turns_unsharded", reference)):
+            cache = mlx_spec.make_cache(target_model)
+            gen = mlx_spec.stream_generate(target_model, tok, PROMPTS[0], mlx_spec.NGramDrafter(),
+                                           max_tokens=N, num_draft_tokens=3, prompt_cache=cache)
+            seen = [next(gen).token for _ in range(7)]
+            gen.close()
+            turn2 = tokens(target_model, tok, [3, 4], mlx_spec.NGramDrafter(), num_draft_tokens=3,
+                           prompt_cache=cache)
+            plain = tokens(target_model, tok, PROMPTS[0] + seen + [3, 4], None)
+            result[name] = [seen, turn2, plain]
     return result
 
 

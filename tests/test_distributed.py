@@ -58,8 +58,8 @@ def launch(n, *args, timeout=90):
 
 SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each
     2: [("pipeline", "llama", "draft", ""),  # our stage wrappers
-        ("tensor", "llama", "draft", ""),  # mlx-lm's shard()
-        ("pipeline", "qwen2", "qwen2_draft", "")],  # mlx-lm's pipeline()
+        ("tensor", "llama", "draft", ":noauto"),  # mlx-lm's shard()
+        ("pipeline", "qwen2", "qwen2_draft", ":noauto")],  # mlx-lm's pipeline()
     3: [("pipeline", "llama", "draft", ":quick")],  # 3 ranks on 2 cores are slow: fewer runs
 }
 
@@ -86,6 +86,9 @@ def test_sharded_runs_match(folders, tmp_path, n):
             if mode == "pipeline":  # identical logits: identical seeded sampling too
                 for seed in (1, 2):
                     assert res.get(f"sampled{i}_{seed}") == res.get(f"sampled_unsharded{i}_{seed}")
+        if "cache_turns" in res:  # turn 2 continues from the sharded prompt cache
+            seen, turn2, whole_history = res["cache_turns"]
+            assert turn2 == whole_history and res["cache_turns"] == res["cache_turns_unsharded"]
 
 
 def test_sync_check_fires_on_a_desynchronised_rank(folders, tmp_path):
