@@ -208,6 +208,8 @@ class _SendOn(SeeThrough):
             # Whoever evaluates this rank's cache (a prefill chunk) or logits sends too.
             if cache is not None and isinstance(getattr(cache, "keys", None), mx.array):
                 cache.keys = mx.depends(cache.keys, sent)
+            else:  # (quantized caches hold tuples) send as soon as the stage is computed
+                mx.async_eval(sent)
             out = mx.depends(mx.zeros_like(out), sent)
         self._stats.message()
         return mx.distributed.all_sum(out, group=group)  # the last stage's h, on every rank

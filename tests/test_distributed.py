@@ -48,6 +48,7 @@ def folders(tmp_path_factory):
         "draft": save(root / "draft", tiny.llama_model(seed=1, layers=1)),
         "qwen2": save(root / "qwen2", tiny.qwen2_model(seed=3, layers=4)),
         "qwen2_draft": save(root / "qwen2_draft", tiny.qwen2_model(seed=4, layers=1)),
+        "llama_hd32": save(root / "llama_hd32", tiny.llama_model(seed=0, layers=4, heads=2, kv_heads=2)),
     }
 
 
@@ -100,15 +101,18 @@ def test_sync_check_fires_on_a_desynchronised_rank(folders, tmp_path):
 
 def _cli(folder, *extra):
     return [sys.executable, "-m", "mlx_spec", *extra, "--model", str(folder), "--prompt",
-            "w5 w6 w7 w8 w5 w6", "--ignore-chat-template", "--verbose", "False", "--temp", "0"]
+            "w5 w6 w7 w8 w5 w6 w7 w1 w2 w3 w4 w5 w6", "--ignore-chat-template", "--verbose", "False", "--temp", "0"]
 
 
 def test_launch_generate_matches_unsharded(folders):
-    one = subprocess.run(_cli(folders["llama"], "generate", "--max-tokens", "16"),
+    # A quantized KV cache (head_dim 32 for group size 32) and a prompt in chunks of 4.
+    options = ["--max-tokens", "16", "--kv-bits", "8", "--quantized-kv-start", "0",
+               "--kv-group-size", "32", "--prefill-step-size", "4"]
+    one = subprocess.run(_cli(folders["llama_hd32"], "generate", *options),
                          capture_output=True, text=True, timeout=60, env=ENV)
     assert one.returncode == 0, one.stderr
-    cmd = _cli(folders["llama"], "launch", "-n", "2", "--timeout", "60", "--", "generate",
-               "--shard", "pipeline", "--max-tokens", "16")
+    cmd = _cli(folders["llama_hd32"], "launch", "-n", "2", "--timeout", "60", "--", "generate",
+               "--shard", "pipeline", *options)
     two = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=ENV)
     assert two.returncode == 0, two.stderr
     assert two.stdout == one.stdout  # rank 0 prints, the other rank is silent
