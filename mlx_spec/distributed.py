@@ -277,6 +277,11 @@ def agreed_curve(model, local: list[float] | None, measure) -> list[float] | Non
     return mx.distributed.all_sum(mine, group=shard.group).tolist()
 
 
+def barrier(group=None) -> None:
+    """Return when every rank of `group` (default: the launch's) has called it."""
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group or init()))
+
+
 def describe(model) -> str:
     """One line per rank: its layers and weight memory (a collective: call on every rank)."""
     from mlx.utils import tree_flatten

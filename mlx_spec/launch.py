@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 
-RUNNABLE = ("generate",)  # commands that know --shard (bench and serve: not yet)
+RUNNABLE = ("generate", "bench")  # commands that know --shard (serve: not yet)
 FAILED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
 

@@ -119,6 +119,18 @@ def test_launch_generate_matches_unsharded(folders):
     assert "rank 1: layers 2..3 of 4" in two.stderr
 
 
+def test_launch_bench_sharded(folders, tmp_path):
+    cmd = [sys.executable, "-m", "mlx_spec", "launch", "-n", "2", "--timeout", "80", "--", "bench",
+           "--shard", "tensor", "--model", str(folders["llama"]), "--methods", "ngram",
+           "--num-draft-tokens", "3", "--max-tokens", "12", "--suites", "code-edit",
+           "--cost-repeats", "0", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())  # written by rank 0 alone
+    assert all(v["identical"] == v["runs"] == 1 for v in result["identical"].values())
+    assert "tensor parallel over 2 ranks" in done.stderr
+
+
 def test_killing_a_rank_ends_every_rank(folders):
     cmd = _cli(folders["llama"], "launch", "-n", "2", "--timeout", "60", "--", "generate",
                "--shard", "pipeline", "--max-tokens", "1000000", "--num-draft-tokens", "2")
