@@ -1,6 +1,7 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
     python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto] [...] [desync]
+    python tests/dist_worker.py OUT_DIR lossless RUNS
 
 For each setup (a target folder sharded by MODE, a draft model folder) it writes
 OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
@@ -42,7 +43,23 @@ def tokens(model, tok, prompt, drafter, **kw):
     return [r.token for r in mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=N, **kw)]
 
 
+def lossless(out: str, runs: int) -> None:
+    """Seeded sampled runs of the chi-square harness's draft-model case on a tensor split."""
+    from lossless import sampled_runs, v8_llama
+
+    group = distributed.init()
+    model, draft = v8_llama(), v8_llama(4.0)  # the same random weights on every rank
+    distributed.shard_model(model, "tensor", group)
+    got = sampled_runs(model, [1, 2, 3, 1, 2], lambda: mlx_spec.DraftModelDrafter(draft), runs,
+                       max_tokens=5, k=3, vocab=8, temp=1.0)
+    deep = sum(len(t[0].proposed) == 3 for t in got.traces if t)  # first steps with 3 drafts
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(
+        {"tokens": got.tokens.tolist(), "deep_first_steps": deep}))
+
+
 def main() -> None:
+    if sys.argv[2] == "lossless":
+        return lossless(sys.argv[1], int(sys.argv[3]))
     out, setups = sys.argv[1], [a for a in sys.argv[2:] if a != "desync"]
     group = distributed.init()
     results = {}
