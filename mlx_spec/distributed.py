@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .taps import SeeThrough
+from .taps import SeeThrough, decoder_stack
 
 CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
 LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
@@ -66,7 +66,8 @@ class Shard:
 
 
 class LinkStats:
-    """Seconds and count of the messages this module sent (build time only, see docs)."""
+    """Counts the messages the stage wrappers put into forwards; with `MLX_SPEC_LINK_LATENCY_MS`
+    sleeps that long before each (while the graph is built: see docs/distributed.md)."""
 
     def __init__(self):
         self.messages = 0
@@ -125,7 +126,7 @@ def shard_model(model, mode: str, group) -> Shard:
         if size > total:
             raise ValueError(f"{size} ranks but the model has only {total} layers: "
                              "use at most one rank per layer")
-        inner = model.model
+        inner = decoder_stack(model)
         if hasattr(inner, "pipeline"):  # mlx-lm's own (rank 0 holds the *last* layers)
             inner.pipeline(group)
             span = (inner.start_idx, inner.end_idx)
@@ -139,7 +140,8 @@ def shard_model(model, mode: str, group) -> Shard:
     shard = Shard(group, mode, span, total, stats)
     object.__setattr__(model, "_mlx_spec_shard", shard)  # a plain attribute, not a parameter
     if os.environ.get(CHECK_ENV, "") not in ("", "0"):
-        model.model.embed_tokens = _Checked(model.model.embed_tokens, shard)
+        stack = decoder_stack(model)
+        stack.embed_tokens = _Checked(stack.embed_tokens, shard)
     return shard
 
 
