@@ -50,13 +50,14 @@ def __dir__():
     return sorted([*globals(), *_EXPORTS])
 
 
-def load(path_or_repo: "str | os.PathLike"):
+def load(path_or_repo: "str | os.PathLike", lazy: bool = False):
     """Load an mlx-lm model folder or Hugging Face repo: returns (model, tokenizer).
 
     A model type mlx-lm lacks but `mlx_spec.targets.TARGETS` lists (DeepSeek-V4-Flash,
     `deepseek_v4`) loads through that entry's implementation, installed as an extra.
     Raises `ModelLoadError` (a ValueError and an OSError) naming the missing or damaged
-    file and how to replace it, when the folder or repo cannot be loaded.
+    file and how to replace it, when the folder or repo cannot be loaded. `lazy`: the
+    weights are read when first evaluated (`mlx_spec.distributed` keeps only a rank's part).
     """
     from pathlib import Path
 
@@ -82,7 +83,7 @@ def load(path_or_repo: "str | os.PathLike"):
         target = loader_for(config)
         if target is not None:
             return target(path, config)
-        return _load(str(path))
+        return _load(str(path), lazy=lazy)
 
 
 __all__ = ["load", *_EXPORTS]

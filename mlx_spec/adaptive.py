@@ -234,6 +234,9 @@ def model_key(model) -> str:
         "processor": _processor(),
         "mlx": mx.__version__,
     }
+    shard = getattr(model, "_mlx_spec_shard", None)
+    if shard is not None:  # a sharded forward's cost includes its messages
+        ident["shard"] = [shard.mode, shard.size, shard.rank]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -253,16 +256,22 @@ def verify_seconds(model, n_max: int = N_MAX, recalibrate: bool = False) -> list
     Measured once and cached on disk (`cache_dir()`); when that folder cannot be
     read or written the curve is kept in memory for this process instead.
     """
+    from .distributed import agreed_curve
+
     key = model_key(model)
+    known = None
     if not recalibrate:
-        times = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
-        if times is not None and len(times) >= n_max:
-            _CURVES[key] = times
-            return times[:n_max]
-    log.info("calibrating the verify cost curve of this model (once per model and device)")
-    times = measure_verify_seconds(model, max(n_max, len(_CURVES.get(key, ()))))
+        known = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
+        known = known if known is not None and len(known) >= n_max else None
+
+    def measure() -> list[float]:
+        log.info("calibrating the verify cost curve of this model (once per model and device)")
+        return measure_verify_seconds(model, max(n_max, len(_CURVES.get(key, ()))))
+
+    times = agreed_curve(model, known, measure)  # a sharded target's ranks agree on it
+    if times is not known:
+        _write_curve(cache_dir() / f"{key}.json", times)
     _CURVES[key] = times
-    _write_curve(cache_dir() / f"{key}.json", times)
     return times[:n_max]
 
 

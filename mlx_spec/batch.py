@@ -243,12 +243,19 @@ class BatchDecoder:
 
 
 def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
-    """Each row's draft length for this step: its own policy alone, the batch's choice together."""
+    """Each row's draft length for this step: its own policy alone, the batch's choice together.
+    On a sharded target every rank takes rank 0's (timings differ between ranks)."""
     if len(rows) == 1:
-        return [rows[0].lengths.choose()]
-    from .batch_policy import choose_for_batch
+        choices = [rows[0].lengths.choose()]
+    else:
+        from .batch_policy import choose_for_batch
 
-    return choose_for_batch(model, [r.lengths for r in rows])
+        choices = choose_for_batch(model, [r.lengths for r in rows])
+    if all(isinstance(r.lengths, FixedK) for r in rows):
+        return choices
+    from .distributed import agree_lengths
+
+    return agree_lengths(model, choices)
 
 
 class FixedK:

@@ -11,6 +11,7 @@ on first use); with no drafter flag it drafts with prompt lookup (n-gram). The R
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .cli import report
@@ -59,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use the prompt as is, without the model's chat template")
     p.add_argument("--compare", action="store_true",
                    help="also decode the prompt plainly (interleaved) and print the measured speed-up")
+    p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
+                   help="split the target over the ranks of `mlx-spec launch` / mlx.launch: "
+                   "consecutive layers per rank, or every layer's matrices (rank 0 prints)")
     p.add_argument("--verbose", nargs="?", const=True, default=None, type=_bool, metavar="True|False",
                    help="False: print only the generated text. True or the bare flag: also "
                    "acceptance per draft position, and tracebacks on errors")
@@ -153,15 +157,16 @@ def make_drafter(args, model, model_path: str):
 
 
 def _generate(args, prompt: str) -> int:
-    import logging
-
     import mlx_spec
 
     log = logging.getLogger("mlx_spec")  # progress notes (e.g. calibration) on stderr
     log.setLevel(logging.INFO)
     log.addHandler(logging.StreamHandler(sys.stderr))
     model_path = resolve_model(args.model)
-    model, tokenizer = mlx_spec.load(model_path)
+    if args.shard is not None:
+        model, tokenizer = _load_sharded(model_path, args.shard, log)
+    else:
+        model, tokenizer = mlx_spec.load(model_path)
     for token in args.extra_eos_token:
         add_eos_token(tokenizer, token)
     drafter = make_drafter(args, model, model_path)
@@ -203,6 +208,23 @@ def _compare(model, tokenizer, ids, drafter, options, first) -> None:
     same = "same tokens" if tokens["plain"] == tokens["speculative"] else "other tokens (sampled)"
     print(f"Compare: plain {plain:.2f} tokens-per-sec, speculative {spec:.2f} tokens-per-sec: "
           f"{spec / plain:.2f}x ({same}; plain, speculative, plain, speculative interleaved)")
+
+
+def _load_sharded(model_path: str, mode: str, log):
+    """This rank's part of the target; ranks other than 0 print nothing on stdout."""
+    import os
+
+    from . import distributed
+
+    group = distributed.init()
+    model, tokenizer = distributed.load(model_path, mode, group)
+    layout = distributed.describe(model)  # every rank takes part
+    if group.rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+        log.setLevel(logging.WARNING)
+    else:
+        print(layout, file=sys.stderr)
+    return model, tokenizer
 
 
 def encode_prompt(tokenizer, prompt: str, system: str | None, chat: bool) -> list[int]:

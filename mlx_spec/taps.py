@@ -24,25 +24,32 @@ EMBED = "embed"
 FINAL_NORM = "final_norm"
 
 
-class _Recorder(nn.Module):
-    """Calls the wrapped module and keeps its output (or its first input)."""
+class SeeThrough(nn.Module):
+    """A module wrapping `inner` whose attributes it passes on (models read attributes of
+    their layers, e.g. `layer.use_sliding`)."""
 
-    def __init__(self, inner: nn.Module, keep_input: bool, keep_output: bool):
+    def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        # Plain attributes (not arrays/dicts), so nn.Module does not count the
-        # recorded activations as parameters.
-        self.keep_input, self.keep_output = keep_input, keep_output
-        self.users = 0  # Taps objects reading this recorder; the last one out unwraps
-        self.seen = _Seen()
 
     def __getattr__(self, key):
-        # Models read attributes of their layers (e.g. `layer.use_sliding`).
         if key in self:
             return self[key]
         if "inner" not in self:
             raise AttributeError(key)
         return getattr(self["inner"], key)
+
+
+class _Recorder(SeeThrough):
+    """Calls the wrapped module and keeps its output (or its first input)."""
+
+    def __init__(self, inner: nn.Module, keep_input: bool, keep_output: bool):
+        super().__init__(inner)
+        # Plain attributes (not arrays/dicts), so nn.Module does not count the
+        # recorded activations as parameters.
+        self.keep_input, self.keep_output = keep_input, keep_output
+        self.users = 0  # Taps objects reading this recorder; the last one out unwraps
+        self.seen = _Seen()
 
     def __call__(self, x, *args, **kwargs):
         out = self.inner(x, *args, **kwargs)
@@ -120,6 +127,13 @@ class Taps:
         n = len(layers)
         self._installed: list[tuple[object, object, _Recorder]] = []  # (owner, key, recorder)
         self._where: dict[object, tuple[_Recorder, str]] = {}
+        shard = getattr(model, "_mlx_spec_shard", None)
+        if shard is not None and shard.mode == "pipeline" and any(t != FINAL_NORM for t in self.ids):
+            raise ValueError(
+                f"this drafter reads hidden states of decoder layers {list(self.ids)}, which sit on "
+                "other ranks of a pipeline-sharded target: not supported yet; use --shard tensor "
+                "(every rank sees every layer's output), or an n-gram or draft-model drafter"
+            )
         for tid in self.ids:  # all ids are checked before anything is wrapped
             if tid == FINAL_NORM and final_norm_name(self.stack) is None:
                 raise ValueError(f"{type(model).__name__} has no final norm to tap")

@@ -135,6 +135,10 @@ def check(cmd: str) -> None:
         assert shutil.which("mlx-spec"), "the mlx-spec entry point is not installed"
         if not rest or rest[0] in ("...", "--help"):
             return
+        if rest[0] == "launch" and "--" in rest:  # launch's own flags, then the ranks' command
+            cut = rest.index("--")
+            check(" ".join(["mlx-spec", *rest[cut + 1:]]))
+            rest = rest[:cut]
         parser = _mlx_spec_parser(rest)
         known = {s for a in parser._actions for s in a.option_strings}
         assert _flags(rest) <= known, f"unknown flags {_flags(rest) - known}"

@@ -48,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", help="reproduce a claim's configuration; --list-presets shows them")
     p.add_argument("--list-presets", action="store_true", help="list presets and claims, then exit")
     p.add_argument("--claims", action="store_true", help="print published claims next to the measurements")
+    p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
+                   help="split the target over the ranks of `mlx-spec launch` (rank 0 reports)")
     p.add_argument("--load", metavar="JSON", help="rebuild the report from a saved results.json; no run")
 
 
@@ -76,7 +78,13 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     result = _measure(args)
-    return _report(result, args, Path(args.out))
+    if args.shard is None:
+        return _report(result, args, Path(args.out))
+    from ..distributed import barrier
+
+    rc = 0 if result is None else _report(result, args, Path(args.out))  # rank 0 reports
+    barrier()  # the ranks end together (a peer's closed socket is noisy in the ring backend)
+    return rc
 
 
 def _apply_preset(args, preset) -> None:
@@ -111,7 +119,7 @@ def resolve_model(name: str, dtype: str = "float32") -> str:
     return str(zoo.fetch(name, dtype=dtype))
 
 
-def _measure(args) -> dict:
+def _measure(args) -> dict | None:
     import mlx_spec
 
     from .hardware import busy_warning, describe, hardware_info, load_average
@@ -124,7 +132,17 @@ def _measure(args) -> dict:
     suites = args.suites.split(",") if args.suites else suite_names()
     prompts = load_prompts(suites, args.prompts_per_suite or None)
     say(f"loading {args.model}")
-    model, tokenizer = mlx_spec.load(resolve_model(args.model, args.dtype))
+    rank = 0
+    if args.shard is not None:
+        from .. import distributed
+
+        group = distributed.init()
+        model, tokenizer = distributed.load(resolve_model(args.model, args.dtype), args.shard, group)
+        layout, rank = distributed.describe(model), group.rank()
+        say = (lambda msg: None) if rank else say  # noqa: E731
+        say(layout)
+    else:
+        model, tokenizer = mlx_spec.load(resolve_model(args.model, args.dtype))
     ctx = Context(model, tokenizer, drafter_path=args.drafter, temp=args.temp,
                   top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     if args.draft_model:
@@ -150,6 +168,8 @@ def _measure(args) -> dict:
     if busy:
         hw["warnings"].append(busy)
         say(f"WARNING: {busy}")
+    if rank:
+        return None
     summary = summarize(records, BASELINE)
     identical = check_identical(records, BASELINE)
     return {

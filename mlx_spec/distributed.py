@@ -1,0 +1,297 @@
+"""A target sharded over several processes (Macs) with `mx.distributed`.
+
+Every rank runs the same decode loop on the same tokens; only the target's
+forward is split. The sharded target is the *same model instance*, changed in
+place (never its class), so every drafter, cache and stop rule works as is:
+
+* `tensor`: the family's own mlx-lm `shard()` (each linear split over the ranks,
+  an `all_sum` after attention and after the MLP). Every rank ends a layer with
+  the same hidden state, so the logits are identical on every rank.
+* `pipeline`: consecutive layers per rank. mlx-lm's `pipeline()` where the
+  family has one (qwen2, qwen3_5, deepseek_v2/v3, glm4_moe, ...); otherwise our
+  stage wrappers (llama, qwen3, mistral: the families whose forward is
+  "embed, layers, norm"). Rank 0 holds the first layers; each stage receives
+  the hidden state from the rank before, runs its layers and sends it on; the
+  last stage's output is then summed with zeros from every other rank
+  (`all_sum`, exact), so every rank computes the same logits with its own copy
+  of the final norm and LM head. Each rank keeps (and reads from disk) only its
+  own layers, and holds caches only for them; the cache rollback is unchanged.
+
+Acceptance needs no extra message: logits and the per-request RNG are the same
+on every rank. Two choices that depend on timings are agreed explicitly
+(`agree_lengths`, `agreed_curve`): the adaptive draft length and the verify cost
+curve. With `MLX_SPEC_CHECK_SYNC=1` every target forward first compares a
+fingerprint of its input tokens across the ranks and raises `DesyncError`
+naming the rank and forward, instead of hanging on mismatched messages.
+`MLX_SPEC_LINK_LATENCY_MS` adds a sleep before each message this module puts in
+a forward (see docs/distributed.md: a simulated slow link).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .taps import SeeThrough, decoder_stack
+
+CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
+LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
+MODES = ("pipeline", "tensor")
+# Families whose inner model is "embed_tokens -> layers -> norm" with one cache per layer.
+STAGED = {"llama", "qwen3", "mistral"}
+
+
+class DesyncError(RuntimeError):
+    """Ranks about to run different target forwards (a bug, or ranks not running the same job)."""
+
+
+@dataclass
+class Shard:
+    group: object  # mx.distributed.Group
+    mode: str
+    layers: tuple[int, int]  # this rank's layers [start, end) (all of them under tensor)
+    total_layers: int
+    stats: "LinkStats"
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+
+class LinkStats:
+    """Counts the messages the stage wrappers put into forwards; with `MLX_SPEC_LINK_LATENCY_MS`
+    sleeps that long before each (while the graph is built: see docs/distributed.md)."""
+
+    def __init__(self):
+        self.messages = 0
+        self.latency = float(os.environ.get(LATENCY_ENV, "0") or 0) / 1000
+
+    def message(self) -> None:
+        self.messages += 1
+        if self.latency:
+            time.sleep(self.latency)
+
+
+def init(backend: str = "any"):
+    """This process's group (size 1 when not started by `mlx.launch`)."""
+    return mx.distributed.init(strict=False, backend=backend)
+
+
+def shard_of(model) -> Shard | None:
+    """The `Shard` of a target sharded here, or None."""
+    return getattr(model, "_mlx_spec_shard", None)
+
+
+def load(path: str, mode: str, group=None):
+    """Load `path` lazily, shard it over `group`, then read only this rank's weights.
+
+    Returns (model, tokenizer)."""
+    import mlx_spec
+
+    if mode not in MODES:
+        raise ValueError(f"--shard must be one of {', '.join(MODES)}, got {mode!r}")
+    group = group or init()
+    if group.size() < 2:
+        raise ValueError("--shard needs two or more processes: start them with "
+                         "`mlx-spec launch -n 2 -- generate ...` (or mlx.launch)")
+    model, tokenizer = mlx_spec.load(path, lazy=True)
+    shard_model(model, mode, group)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def shard_model(model, mode: str, group) -> Shard:
+    """Shard `model` in place over `group` (`tensor` or `pipeline`); returns its `Shard`."""
+    if shard_of(model) is not None:
+        raise ValueError("this model is already sharded")
+    family = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
+    total = len(model.layers)
+    size, rank = group.size(), group.rank()
+    stats = LinkStats()
+    if mode == "tensor":
+        if not hasattr(model, "shard"):
+            raise ValueError(f"model family {family!r} has no tensor-parallel shard() in mlx-lm; "
+                             "use --shard pipeline")
+        _check_heads(model, size, family)
+        model.shard(group)
+        span = (0, total)
+    elif mode == "pipeline":
+        if size > total:
+            raise ValueError(f"{size} ranks but the model has only {total} layers: "
+                             "use at most one rank per layer")
+        inner = decoder_stack(model)
+        if hasattr(inner, "pipeline"):  # mlx-lm's own (rank 0 holds the *last* layers)
+            inner.pipeline(group)
+            span = (inner.start_idx, inner.end_idx)
+        elif family in STAGED:
+            span = _stage(inner, group, stats)
+        else:
+            raise ValueError(f"model family {family!r} cannot be split into pipeline stages yet "
+                             f"(supported: mlx-lm pipeline() families, and {', '.join(sorted(STAGED))})")
+    else:
+        raise ValueError(f"--shard must be one of {', '.join(MODES)}, got {mode!r}")
+    shard = Shard(group, mode, span, total, stats)
+    object.__setattr__(model, "_mlx_spec_shard", shard)  # a plain attribute, not a parameter
+    if os.environ.get(CHECK_ENV, "") not in ("", "0"):
+        stack = decoder_stack(model)
+        stack.embed_tokens = _Checked(stack.embed_tokens, shard)
+    return shard
+
+
+def _check_heads(model, size: int, family: str) -> None:
+    args = model.args
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(args, name, None)
+        if isinstance(n, int) and n % size:
+            raise ValueError(f"{family}: {name} = {n} is not divisible by {size} ranks; "
+                             "tensor parallel needs it to be (use --shard pipeline)")
+
+
+def _split(total: int, size: int, rank: int) -> tuple[int, int]:
+    """Consecutive layers for `rank`; the first ranks take one more when it does not divide."""
+    base, extra = divmod(total, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def _stage(inner, group, stats: LinkStats) -> tuple[int, int]:
+    """Keep this rank's layers in `inner` (an instance), wrapped to receive and send."""
+    size, rank = group.size(), group.rank()
+    start, end = _split(len(inner.layers), size, rank)
+    local = list(inner.layers[start:end])
+    if rank > 0:
+        local[0] = _Receive(local[0], group, stats)
+    local[-1] = _SendOn(local[-1], group, stats)
+    inner.layers = local
+    # llama keeps the index of its first full-attention (and sliding) layer for the masks
+    for attr, sliding in (("fa_idx", False), ("swa_idx", True)):
+        if hasattr(inner, attr):
+            found = [i for i, l in enumerate(local) if bool(getattr(l, "use_sliding", False)) == sliding]
+            if not found and not sliding:
+                raise ValueError(f"pipeline stage {rank} (layers {start}..{end - 1}) has no "
+                                 "full-attention layer; use more layers per rank")
+            setattr(inner, attr, found[0] if found else None)
+    return start, end
+
+
+class _Receive(SeeThrough):
+    """The first layer of a later stage: its input comes from the rank before."""
+
+    def __init__(self, inner, group, stats):
+        super().__init__(inner)
+        self._group, self._stats = group, stats
+
+    def __call__(self, h, mask=None, cache=None, **kwargs):
+        self._stats.message()
+        h = mx.distributed.recv_like(h, self._group.rank() - 1, group=self._group)
+        return self.inner(h, mask, cache, **kwargs)
+
+
+class _SendOn(SeeThrough):
+    """The last layer of a stage: send its output on; every rank gets the last stage's."""
+
+    def __init__(self, inner, group, stats):
+        super().__init__(inner)
+        self._group, self._stats = group, stats
+
+    def __call__(self, h, mask=None, cache=None, **kwargs):
+        out = self.inner(h, mask, cache, **kwargs)
+        group, rank = self._group, self._group.rank()
+        if rank < group.size() - 1:
+            self._stats.message()
+            sent = mx.distributed.send(out, rank + 1, group=group)
+            # Whoever evaluates this rank's cache (a prefill chunk) or logits sends too.
+            if cache is not None and isinstance(getattr(cache, "keys", None), mx.array):
+                cache.keys = mx.depends(cache.keys, sent)
+            else:  # (quantized caches hold tuples) send as soon as the stage is computed
+                mx.async_eval(sent)
+            out = mx.depends(mx.zeros_like(out), sent)
+        self._stats.message()
+        return mx.distributed.all_sum(out, group=group)  # the last stage's h, on every rank
+
+
+class _Checked(SeeThrough):
+    """The embedding, checking first that every rank feeds the same tokens (debug)."""
+
+    def __init__(self, inner, shard: Shard):
+        super().__init__(inner)
+        self._shard = shard
+        self._forwards = 0
+
+    def __call__(self, ids):
+        self._forwards += 1
+        check_same(self._shard.group, fingerprint(ids, self._forwards), f"target forward {self._forwards}")
+        return self.inner(ids)
+
+
+def fingerprint(ids: mx.array, counter: int) -> list[int]:
+    flat = ids.reshape(-1).astype(mx.uint32)
+    weights = (mx.arange(flat.size, dtype=mx.uint32) * 2654435761 + 1).astype(mx.uint32)
+    mixed = (flat * weights).sum() if flat.size else mx.array(0, mx.uint32)
+    shape = list(ids.shape) + [0] * (2 - ids.ndim)
+    return [counter, *shape[:2], int(mixed.item()) & 0x7FFFFFFF]
+
+
+def check_same(group, values: list[int], where: str) -> None:
+    """Raise `DesyncError` on every rank when `values` differ between ranks."""
+    mine = mx.array(values, mx.int32)
+    rows = mx.distributed.all_gather(mine[None], group=group).tolist()
+    bad = [r for r, row in enumerate(rows) if row != rows[0]]
+    if bad:
+        raise DesyncError(f"rank {bad[0]} is out of step with rank 0 at {where}: "
+                          f"rank 0 has {rows[0]}, rank {bad[0]} has {rows[bad[0]]} "
+                          "(forward number, batch, tokens, token hash)")
+
+
+# ---- choices that depend on timings, agreed --------------------------------------------
+
+def broadcast_ints(group, values: list[int]) -> list[int]:
+    """Rank 0's `values` on every rank (one small all_sum)."""
+    mine = mx.array(values if group.rank() == 0 else [0] * len(values), mx.int32)
+    return mx.distributed.all_sum(mine, group=group).tolist()
+
+
+def agree_lengths(model, choices: list[tuple[int, float | None]]) -> list[tuple[int, float | None]]:
+    """Rank 0's draft lengths for this step on every rank (a no-op unsharded)."""
+    shard = shard_of(model)
+    if shard is None:
+        return choices
+    ks = broadcast_ints(shard.group, [k for k, _ in choices])
+    return [(k, gain) for k, (_, gain) in zip(ks, choices)]
+
+
+def agreed_curve(model, local: list[float] | None, measure) -> list[float] | None:
+    """The verify cost curve every rank uses: measured by all ranks together when any
+    lacks it (each measured forward involves every rank), then rank 0's."""
+    shard = shard_of(model)
+    if shard is None:
+        return local if local is not None else measure()
+    have = mx.distributed.all_sum(mx.array(int(local is not None)), group=shard.group).item()
+    times = local if have == shard.size else measure()
+    mine = mx.array(times if shard.rank == 0 else [0.0] * len(times), mx.float32)
+    return mx.distributed.all_sum(mine, group=shard.group).tolist()
+
+
+def barrier(group=None) -> None:
+    """Return when every rank of `group` (default: the launch's) has called it."""
+    mx.eval(mx.distributed.all_sum(mx.array(1), group=group or init()))
+
+
+def describe(model) -> str:
+    """One line per rank: its layers and weight memory (a collective: call on every rank)."""
+    from mlx.utils import tree_flatten
+
+    shard = shard_of(model)
+    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    mine = mx.array([shard.layers[0], shard.layers[1], weights // 1024], mx.int32)
+    rows = mx.distributed.all_gather(mine[None], group=shard.group).tolist()
+    lines = [f"rank {r}: layers {a}..{b - 1} of {shard.total_layers}, weights {kb / 1024:.1f} MiB"
+             for r, (a, b, kb) in enumerate(rows)]
+    return f"{shard.mode} parallel over {shard.size} ranks\n" + "\n".join(lines)

@@ -1,0 +1,116 @@
+"""`mlx-spec launch`: run an mlx-spec command on several ranks through `mlx.launch`.
+
+    mlx-spec launch -n 2 --backend ring -- generate --shard pipeline --prompt "..."
+
+starts `mlx.launch` with this Python running `-m mlx_spec generate ...` on every
+rank (two local ranks here; `--hosts`/`--hostfile` for several Macs, where the
+same Python path and mlx-spec must exist on each). `mlx.launch` ends the other
+ranks when one fails but exits 0 even then (MLX 0.32.4); this command reads
+its per-rank exit notes and exits 1 naming the rank, and with `--timeout` ends
+every process it started (their process group) when the time is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+RUNNABLE = ("generate", "bench")  # commands that know --shard (serve: not yet)
+FAILED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-n", "--repeat-hosts", type=int, default=None,
+                   help="processes per host (mlx.launch -n); alone: that many local ranks")
+    p.add_argument("--hosts", default=None, help="comma-separated hosts (mlx.launch --hosts)")
+    p.add_argument("--hostfile", default=None, help="hosts file (mlx.launch --hostfile)")
+    p.add_argument("--backend", default="ring", help="ring (default), jaccl, mpi (mlx.launch --backend)")
+    p.add_argument("--starting-port", type=int, default=None, help="first ring port (mlx.launch -p)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds after which every rank is stopped (default: no limit)")
+    p.add_argument("--dry-run", action="store_true", help="print the mlx.launch command and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER,
+                   help="-- then the mlx-spec command every rank runs, e.g. -- generate --shard pipeline")
+
+
+def launch_command(args: argparse.Namespace) -> list[str]:
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command or command[0] not in RUNNABLE:
+        raise ValueError(f"give the command after --, one of: {', '.join(RUNNABLE)} "
+                         f"(got {' '.join(command) or 'nothing'})")
+    if "--shard" not in command:
+        raise ValueError("the ranks' command needs --shard pipeline or --shard tensor")
+    tool = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    out = [tool, "--backend", args.backend]
+    for flag, value in (("-n", args.repeat_hosts), ("--hosts", args.hosts),
+                        ("--hostfile", args.hostfile), ("--starting-port", args.starting_port)):
+        if value is not None:
+            out += [flag, str(value)]
+    if args.hosts or args.hostfile:
+        out += ["--python", sys.executable]
+    # "--": mlx.launch must not read the ranks' own options (--verbose, --env, ...)
+    return out + ["--", sys.executable, "-m", "mlx_spec", *command]
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        command = launch_command(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(" ".join(command))
+        return 0
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    failed: list[tuple[int, int]] = []
+    reader = threading.Thread(target=_relay, args=(proc.stderr, failed), daemon=True)
+    reader.start()
+    try:
+        rc = proc.wait(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        print(f"error: the ranks did not finish within {args.timeout:g} s; stopped all of them "
+              "(a rank that cannot connect or a lost peer can block the others)", file=sys.stderr)
+        return 124
+    except KeyboardInterrupt:
+        stop(proc)
+        raise
+    reader.join(timeout=5)
+    bad = [(r, c) for r, c in failed if c != 0]
+    if bad:
+        rank, code = bad[0]
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        others = f"; {len(bad) - 1} other rank(s) ended too" if len(bad) > 1 else ""
+        print(f"error: rank {rank} ended with {how}{others}", file=sys.stderr)
+        return 1
+    return rc
+
+
+def _relay(stream, failed: list) -> None:
+    for line in stream:
+        sys.stderr.write(line)
+        m = FAILED.search(line)
+        if m:
+            failed.append((int(m.group(1)), int(m.group(2))))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """End mlx.launch and every rank it started (one process group)."""
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue

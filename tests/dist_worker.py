@@ -1,0 +1,113 @@
+"""One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
+
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto] [...] [desync]
+    python tests/dist_worker.py OUT_DIR lossless RUNS
+
+For each setup (a target folder sharded by MODE, a draft model folder) it writes
+OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
+with each other and with the unsharded target; one launch checks several setups
+(starting ranks costs seconds). `desync`: rank 1's drafter proposes other tokens
+from its third proposal on (the sync check must fire).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlx_spec
+from mlx_spec import distributed
+
+PROMPTS = ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [11, 3, 40, 41, 42, 11, 3, 40])
+N = 24
+
+
+class Desynced(mlx_spec.NGramDrafter):
+    """An n-gram drafter that, on rank 1, drafts other tokens from its third proposal on."""
+
+    calls = 0
+
+    def propose(self, y, k, sampling):
+        Desynced.calls += 1
+        draft = super().propose(y, k, sampling)
+        if Desynced.calls >= 3 and mx.distributed.init().rank() == 1 and k > 0:
+            from mlx_spec.drafters.base import Draft
+
+            tokens = (mx.arange(k) + 1).astype(mx.uint32)
+            return Draft(tokens)
+        return draft
+
+
+def tokens(model, tok, prompt, drafter, **kw):
+    return [r.token for r in mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=N, **kw)]
+
+
+def lossless(out: str, runs: int) -> None:
+    """Seeded sampled runs of the chi-square harness's draft-model case on a tensor split."""
+    from lossless import sampled_runs, v8_llama
+
+    group = distributed.init()
+    model, draft = v8_llama(), v8_llama(4.0)  # the same random weights on every rank
+    distributed.shard_model(model, "tensor", group)
+    got = sampled_runs(model, [1, 2, 3, 1, 2], lambda: mlx_spec.DraftModelDrafter(draft), runs,
+                       max_tokens=5, k=3, vocab=8, temp=1.0)
+    deep = sum(len(t[0].proposed) == 3 for t in got.traces if t)  # first steps with 3 drafts
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(
+        {"tokens": got.tokens.tolist(), "deep_first_steps": deep}))
+
+
+def main() -> None:
+    if sys.argv[2] == "lossless":
+        return lossless(sys.argv[1], int(sys.argv[3]))
+    out, setups = sys.argv[1], [a for a in sys.argv[2:] if a != "desync"]
+    group = distributed.init()
+    results = {}
+    for setup in setups:
+        mode, target, draft, *flags = setup.split(":")
+        model, tok = distributed.load(target, mode, group)
+        if "desync" in sys.argv:
+            tokens(model, tok, PROMPTS[0], Desynced(), num_draft_tokens=3)
+            return
+        results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
+        results[setup]["layout"] = distributed.describe(model)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
+
+
+def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> dict:
+    """Every drafter kind, greedy and sampled; `quick`: the first prompt, n-gram only;
+    `noauto`: no adaptive draft length (its calibration costs ~70 forwards)."""
+    result = {}
+    reference, _ = mlx_spec.load(target)
+    draft_model, draft_tok = mlx_spec.load(draft)
+    for i, prompt in enumerate(PROMPTS[:1] if quick else PROMPTS):
+        result[f"unsharded{i}"] = tokens(reference, tok, prompt, None)
+        result[f"plain{i}"] = tokens(model, tok, prompt, None)
+        result[f"ngram{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), num_draft_tokens=3)
+        if not (quick or noauto):
+            result[f"ngram_auto{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter())
+        if not quick:
+            result[f"draft_model{i}"] = tokens(model, tok, prompt,
+                                               mlx_spec.DraftModelDrafter(draft_model, draft_tok),
+                                               num_draft_tokens=4)
+        for seed in (1,) if quick else (1, 2):
+            opts = dict(temp=1.0, seed=seed, num_draft_tokens=3)
+            result[f"sampled{i}_{seed}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), **opts)
+            result[f"sampled_unsharded{i}_{seed}"] = tokens(reference, tok, prompt,
+                                                            mlx_spec.NGramDrafter(), **opts)
+    if not quick:  # a prompt cache over two turns, the first stopped mid-block by the caller
+        for name, target_model in (("cache_turns", model), ("cache_turns_unsharded", reference)):
+            cache = mlx_spec.make_cache(target_model)
+            gen = mlx_spec.stream_generate(target_model, tok, PROMPTS[0], mlx_spec.NGramDrafter(),
+                                           max_tokens=N, num_draft_tokens=3, prompt_cache=cache)
+            seen = [next(gen).token for _ in range(7)]
+            gen.close()
+            turn2 = tokens(target_model, tok, [3, 4], mlx_spec.NGramDrafter(), num_draft_tokens=3,
+                           prompt_cache=cache)
+            plain = tokens(target_model, tok, PROMPTS[0] + seen + [3, 4], None)
+            result[name] = [seen, turn2, plain]
+    return result
+
+
+if __name__ == "__main__":
+    main()
