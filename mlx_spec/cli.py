@@ -20,6 +20,7 @@ COMMANDS = {
     "fetch-model": ("mlx_spec.zoo", "download and convert a pinned zoo model"),
     "bench": ("mlx_spec.bench", "measure speed-ups of every method side by side"),
     "serve": ("mlx_spec.server.cli", "serve a model over OpenAI's and Anthropic's HTTP APIs"),
+    "train": ("mlx_spec.train.cli", "train or realign an EAGLE-3 draft head on this machine"),
 }
 CONVERTERS = {
     "gguf": ("converters.gguf", "convert a GGUF file into an MLX model folder"),

@@ -34,6 +34,14 @@ from ..taps import EMBED
 LAYOUTS = ("midlayer", "speculators")
 
 
+def target_identity(model) -> dict:
+    """What a head folder records about its target (checked by `load_drafter`)."""
+    a = target_args(model)
+    out = {k: a.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers")}
+    out["vocab_size"] = vocab_size(model)
+    return out
+
+
 def head_config(model, taps: list, draft_vocab: int, num_layers: int = 1) -> dict:
     """The config.json of a new EAGLE-3 head for `model`: one layer shaped like the target's."""
     a = target_args(model)
@@ -52,10 +60,8 @@ def head_config(model, taps: list, draft_vocab: int, num_layers: int = 1) -> dic
         "attention_bias": False,
         "qk_norm": False,
     }
-    identity = {k: a.get(k) for k in ("model_type", "hidden_size", "num_hidden_layers")}
-    identity["vocab_size"] = V
     return {
-        "mlx_spec": {"format": 1, "drafter": "eagle3", "taps": list(taps), "target": identity},
+        "mlx_spec": {"format": 1, "drafter": "eagle3", "taps": list(taps), "target": target_identity(model)},
         **fields,
         "fc_bias": False, "norm_before_fc": False, "fc_norm": False, "norm_before_residual": False,
         "norm_output": False, "own_lm_head": True, "own_embedding": False,
@@ -66,7 +72,7 @@ def head_config(model, taps: list, draft_vocab: int, num_layers: int = 1) -> dic
 
 
 def _replace(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # mx.save_* keep the suffix
     write(tmp)
     os.replace(tmp, path)
 

@@ -87,7 +87,10 @@ class Trainer:
         self.d2t = d2t.astype(mx.int32)
         self.out, self.s = Path(out), settings
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self.embed = embedding(decoder_stack(model))
+        # The drafter's own choice (EagleDrafter.bind): the head's embedding if it has one.
+        self.embed = head.embed_tokens if "embed_tokens" in head else embedding(decoder_stack(model))
+        if "embed_tokens" in head:
+            head.embed_tokens.freeze()  # the embedding stays as it is (SpecForge freezes it too)
         self.index = draft_index(self.d2t, config["vocab_size"])
         self.opt = optim.AdamW(learning_rate=schedule(settings), weight_decay=settings.weight_decay)
         self.opt.init(head.trainable_parameters())
