@@ -100,27 +100,49 @@ def user_header(tokenizer) -> list[int]:
 
 
 def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, log=print) -> list[list[dict]]:
-    """`n` user turns written by the target from its chat template's user header (sampled, seeded)."""
-    from ..decode import batch_generate
-
+    """`n` user turns written by the target from its chat template's user header (sampled; row i
+    of round r uses seed `seed + r * n + i`, so every row draws its own turn)."""
     header = user_header(tokenizer)
     out: list[list[dict]] = []
-    rnd, tries = seed, 0
-    while len(out) < n and tries < 4:
+    seen: set[str] = set()
+    for r in range(4):  # rounds: short or repeated turns are dropped and drawn again
         want = n - len(out)
-        res = batch_generate(model, tokenizer, [header] * want, None, max_batch=8, max_tokens=max_tokens,
-                             temp=1.0, top_p=0.95, seed=rnd)
-        seen = {m[0]["content"] for m in out}
-        for text in res.texts:
+        if want <= 0:
+            break
+        seeds = [seed + r * n + i for i in range(want)]
+        texts = _sample(model, tokenizer, header, seeds, max_tokens)
+        for text in texts:
             text = text.replace(tokenizer.eos_token or "\x00", "").strip()
             if len(text) >= 8 and text not in seen:
                 seen.add(text)
                 out.append([{"role": "user", "content": text}])
-        rnd, tries = rnd + 1, tries + 1
         log(f"prompts: {len(out)}/{n} written by the target")
     if not out:
         raise DataError("the target wrote no usable prompts from its chat template; pass --prompts FILE")
     return out[:n]
+
+
+def _sample(model, tokenizer, prompt: list[int], seeds: list[int], max_tokens: int) -> list[str]:
+    """One sampled continuation of `prompt` per seed, decoded together (`BatchDecoder`)."""
+    from mlx_lm.generate import generation_stream, wired_limit
+
+    from ..batch import BatchDecoder
+
+    decoder = BatchDecoder(model, tokenizer, max_batch=8)
+    uids = [decoder.add(prompt, None, max_tokens=max_tokens, temp=1.0, top_p=0.95, seed=s) for s in seeds]
+    texts = {u: "" for u in uids}
+    try:
+        with wired_limit(model, [generation_stream]):
+            while decoder.busy:
+                for uid, block in decoder.step():
+                    for resp in block:
+                        texts[uid] += resp.text
+                        if resp.finish_reason is not None:
+                            decoder.release(uid)
+    finally:
+        for uid in uids:
+            decoder.release(uid)
+    return [texts[u] for u in uids]
 
 
 def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=print) -> list[dict]:
@@ -128,7 +150,7 @@ def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=prin
     from ..decode import batch_generate
 
     rows = []
-    keep = [p[: max_length - 8] for p in prompts if len(p) < max_length - 8]
+    keep = [p for p in prompts if len(p) <= max_length - 8]  # room for an answer of 8 tokens or more
     for s in range(0, len(keep), 16):
         part = keep[s : s + 16]
         budget = max(8, max_length - max(len(p) for p in part))

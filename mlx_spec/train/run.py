@@ -23,7 +23,7 @@ from ..taps import EMBED, decoder_stack
 from . import data as D
 from .evaluate import evaluate, summary
 from .export import head_config, save_json, target_identity
-from .trainer import Settings, Trainer, init_lm_head, settings_dict
+from .trainer import Settings, Trainer, settings_dict
 
 
 def _err(msg: str) -> None:
@@ -77,7 +77,8 @@ def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, m
     held, train = msgs[:eval_n], msgs[eval_n:]
     rows = D.answer(model, tokenizer, [D.encode_chat(tokenizer, m) for m in train], max_length, log=log)
     if not rows:
-        raise D.DataError(f"no training sequences: every prompt is longer than --max-length {max_length}")
+        raise D.DataError(f"no training sequences: every prompt leaves fewer than 8 of --max-length "
+                          f"{max_length} tokens for its answer; raise --max-length")
     out.mkdir(parents=True, exist_ok=True)
     D.write_jsonl(out / "data.jsonl", rows)
     D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
@@ -149,7 +150,6 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     mx.random.seed(seed)
     head = Eagle3Head(cfg)
     d2t = mx.array(ids)
-    init_lm_head(head, model, d2t)
     mx.eval(head.parameters())
     settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
                         checkpoint_every=checkpoint_every, log_every=log_every, taps=taps)

@@ -32,7 +32,6 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafters.base import target_lm_head
 from ..taps import Taps, decoder_stack, embedding
 from .export import save_json, save_tensors, write_head
 from .ttt import draft_index, loss_fn, target_batch
@@ -65,17 +64,6 @@ def order(n: int, seed: int, step: int) -> int:
     """Index of the sequence optimizer step `step` trains on: a fresh permutation each epoch."""
     epoch, i = divmod(step, n)
     return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
-
-
-def init_lm_head(head, model, d2t: mx.array) -> None:
-    """Start the head's LM head at the target's rows for the draft vocabulary, when readable."""
-    lm = target_lm_head(model)
-    owner = getattr(lm, "__self__", lm)  # a tied embedding's `as_linear`
-    w = getattr(owner, "weight", None)
-    if w is None or "scales" in owner or w.dtype not in (mx.float32, mx.float16, mx.bfloat16):
-        return  # quantized target: the LM head starts at random
-    if w.shape[-1] == head.lm_head.weight.shape[-1]:
-        head.lm_head.weight = w[d2t].astype(head.lm_head.weight.dtype)
 
 
 class Trainer:
