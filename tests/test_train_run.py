@@ -12,9 +12,8 @@ import pytest
 
 import mlx_spec
 import tiny
-from converters.eagle import v3
 from mlx_spec.train.evaluate import evaluate
-from mlx_spec.train.export import export
+from mlx_spec.cli import main as cli_main
 from mlx_spec.train.run import realign, train_eagle3
 
 TEMPLATE = ("{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}"
@@ -62,11 +61,13 @@ def test_overfit_head_drafts_its_training_answers_through_the_decode_loop(target
 def test_exports_convert_back_and_decode_losslessly(target, trained, tmp_path, layout):
     folder, model, tok = target
     out, _ = trained
-    exported = export(out, tmp_path / "export", layout, model=model)
+    exported, back = tmp_path / "export", tmp_path / "back"
+    assert cli_main(["train", "export", str(out), str(exported), "--layout", layout, "--model", str(folder)]) == 0
     names = set(mx.load(str(exported / "model.safetensors")))
     assert {"d2t", "t2d", "fc.weight", "lm_head.weight"} <= names
     assert ("midlayer.hidden_norm.weight" in names) == (layout == "midlayer")
-    back = v3.convert(exported, tmp_path / "back", folder)
+    assert ("embed_tokens.weight" in names) == (layout == "speculators")
+    assert cli_main(["convert", "head", str(exported), str(back), "--target", str(folder)]) == 0  # format: auto
     a, b = mx.load(str(out / "model.safetensors")), mx.load(str(back / "model.safetensors"))
     assert set(a) == set(b)
     for k in a:
