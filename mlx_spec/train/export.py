@@ -44,22 +44,11 @@ def target_identity(model) -> dict:
 
 def head_config(model, taps: list, draft_vocab: int, num_layers: int = 1) -> dict:
     """The config.json of a new EAGLE-3 head for `model`: one layer shaped like the target's."""
+    from converters.eagle import layer_fields
+
     a = target_args(model)
-    H, nh = a["hidden_size"], a["num_attention_heads"]
-    V = vocab_size(model)
-    fields = {
-        "hidden_size": H,
-        "intermediate_size": a["intermediate_size"],
-        "num_attention_heads": nh,
-        "num_key_value_heads": a.get("num_key_value_heads") or nh,
-        "head_dim": a.get("head_dim") or H // nh,
-        "rms_norm_eps": a.get("rms_norm_eps", 1e-6),
-        "rope_theta": a.get("rope_theta", 10000.0),
-        "rope_scaling": a.get("rope_scaling"),
-        "max_position_embeddings": a.get("max_position_embeddings"),
-        "attention_bias": False,
-        "qk_norm": False,
-    }
+    fields = {**layer_fields(a, "the target's config"), "attention_bias": False, "qk_norm": False}
+    H, V = fields["hidden_size"], vocab_size(model)
     return {
         "mlx_spec": {"format": 1, "drafter": "eagle3", "taps": list(taps), "target": target_identity(model)},
         **fields,
