@@ -1,4 +1,4 @@
-"""`mlx-spec train {eagle3,realign,export}`: train draft heads on this machine (docs/training.md).
+"""The train command and its jobs (eagle3, realign, export): train draft heads here (docs/training.md).
 
     mlx-spec train eagle3  --model M --out DIR [--prompts FILE] [--samples N] [--max-length L]
                            [--epochs E | --steps S] [--draft-vocab V] [--tap-layers a,b,c] [--resume]
