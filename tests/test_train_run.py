@@ -104,6 +104,11 @@ def test_resumed_run_equals_uninterrupted_run(target, tmp_path):
     b = mx.load(str(tmp_path / "split" / "model.safetensors"))
     for k in a:
         np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+    # another run on the same data: nothing generated, the same rows and held-out prompts
+    train_eagle3(model, tok, tmp_path / "again", data_from=tmp_path / "whole",
+                 **{**kw, "prompts": None, "steps": 1})
+    for name in ("data.jsonl", "eval.jsonl"):
+        assert (tmp_path / "again" / name).read_text() == (tmp_path / "whole" / name).read_text()
     o1 = mx.load(str(tmp_path / "whole" / "optimizer.safetensors"))
     o2 = mx.load(str(tmp_path / "split" / "optimizer.safetensors"))
     assert set(o1) == set(o2) and all(np.array_equal(np.array(o1[k]), np.array(o2[k])) for k in o1)

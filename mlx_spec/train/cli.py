@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Train a new EAGLE-3 head on data the target generates itself.")
     _common(e, samples=1000, epochs=2, lr=3e-4)
     e.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: min(16384, target's))")
+    e.add_argument("--data-from", help="reuse the generated data and held-out prompts of an earlier run's "
+                   "folder instead of generating them (e.g. to try other settings)")
     e.add_argument("--tap-layers", help="target layers whose outputs the head reads, e.g. 1,14,26 "
                    "(default: EAGLE-3's low/mid/high: 1, N//2-1, N-4)")
     r = sub.add_parser("realign", help="fine-tune an existing EAGLE-3 head to this target",
@@ -85,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         if args.job == "eagle3":
             from .run import train_eagle3
 
-            train_eagle3(model, tokenizer, args.out, draft_vocab=args.draft_vocab,
+            train_eagle3(model, tokenizer, args.out, draft_vocab=args.draft_vocab, data_from=args.data_from,
                          tap_layers=_taps(args.tap_layers), **common)
         else:
             from .run import realign

@@ -111,10 +111,11 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                  max_length: int = 512, epochs: float = 2, steps: int | None = None,
                  draft_vocab: int | None = None, tap_layers=None, resume: bool = False, seed: int = 0,
                  lr: float = 3e-4, ttt_steps: int = 7, checkpoint_every: int = 200, log_every: int = 10,
-                 eval_k: int = 4, eval_tokens: int = 128, on_step=None, log=_err) -> dict:
+                 eval_k: int = 4, eval_tokens: int = 128, data_from=None, on_step=None, log=_err) -> dict:
     """Train a new EAGLE-3 head for `model` into `out`; returns the evaluation figures.
 
-    `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them)."""
+    `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them);
+    `data_from`: the folder of an earlier run whose data (and held-out prompts) to reuse."""
     from ..drafters.eagle import Eagle3Head
 
     out = Path(out)
@@ -140,9 +141,17 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     if draft_vocab < 1:
         raise D.DataError(f"--draft-vocab must be at least 1, got {draft_vocab}")
     taps = check_taps(model, tap_layers)
-    if isinstance(prompts, (str, Path)):
-        prompts = D.read_prompts(prompts)  # a bad file fails here, before any model work
-    rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
+    if data_from is not None and not (Path(data_from) / "data.jsonl").is_file():
+        raise ValueError(f"--data-from {data_from}: no data.jsonl there (the folder of an earlier train run)")
+    if data_from is not None:  # another run's generated set, reused as it is
+        rows, held = _load_data(Path(data_from))
+        out.mkdir(parents=True, exist_ok=True)
+        D.write_jsonl(out / "data.jsonl", rows)
+        D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
+    else:
+        if isinstance(prompts, (str, Path)):
+            prompts = D.read_prompts(prompts)  # a bad file fails here, before any model work
+        rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
     ids = D.draft_vocab(rows, draft_vocab, V)
     log(f"{len(rows)} sequences, {sum(len(r['tokens']) for r in rows)} tokens; draft vocabulary {draft_vocab} "
         f"covers {D.coverage(rows, ids):.1%} of answer tokens")
