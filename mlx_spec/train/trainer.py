@@ -83,7 +83,6 @@ class Trainer:
         self.opt = optim.AdamW(learning_rate=schedule(settings), weight_decay=settings.weight_decay)
         self.opt.init(head.trainable_parameters())
         self.step = 0
-        self.model.freeze()
         self._grad = nn.value_and_grad(head, self._loss)
 
     def _loss(self, batch):
