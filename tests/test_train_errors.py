@@ -48,19 +48,15 @@ def test_prompts_file_without_usable_rows(tmp_path, folder, capsys):
     assert not out.exists()
 
 
-def test_draft_vocab_larger_than_the_targets(tmp_path, target):
+@pytest.mark.parametrize("vocab,taps,match", [
+    (97, [1, 2, 4], r"--draft-vocab 97 is larger than the target's vocabulary \(96\); pass at most 96"),
+    (32, [1, 2, 9], r"--tap-layers \[9\]: the target has decoder layers 0..5"),
+])
+def test_draft_vocab_or_taps_the_target_lacks(tmp_path, target, vocab, taps, match):
     model, tok = target
     out = tmp_path / "out"
-    _fail(lambda: train_eagle3(model, tok, out, prompts=PROMPTS, draft_vocab=97, tap_layers=[1, 2, 4]),
-          r"--draft-vocab 97 is larger than the target's vocabulary \(96\); pass at most 96", out)
+    _fail(lambda: train_eagle3(model, tok, out, prompts=PROMPTS, draft_vocab=vocab, tap_layers=taps), match, out)
     assert not out.exists()
-
-
-def test_taps_outside_the_target(tmp_path, target):
-    model, tok = target
-    out = tmp_path / "out"
-    _fail(lambda: train_eagle3(model, tok, out, prompts=PROMPTS, draft_vocab=32, tap_layers=[1, 2, 9]),
-          r"--tap-layers \[9\]: the target has decoder layers 0..5", out)
 
 
 def test_head_made_for_another_target(tmp_path, target):
