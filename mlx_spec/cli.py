@@ -21,6 +21,7 @@ COMMANDS = {
     "bench": ("mlx_spec.bench", "measure speed-ups of every method side by side"),
     "serve": ("mlx_spec.server.cli", "serve a model over OpenAI's and Anthropic's HTTP APIs"),
     "launch": ("mlx_spec.launch", "run generate or bench on several ranks (a sharded target) via mlx.launch"),
+    "train": ("mlx_spec.train.cli", "train or realign an EAGLE-3 draft head on this machine"),
 }
 CONVERTERS = {
     "gguf": ("converters.gguf", "convert a GGUF file into an MLX model folder"),

@@ -110,6 +110,14 @@ def _mlx_spec_parser(words: list[str]) -> argparse.ArgumentParser:
         module = cli.COMMANDS[sub][0]
     parser = argparse.ArgumentParser(add_help=True)
     importlib.import_module(module).add_arguments(parser)
+    # A command with jobs of its own (`mlx-spec train eagle3`): the job's parser.
+    jobs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if jobs:
+        at = 2 if sub == "convert" else 1
+        if len(words) <= at or words[at].startswith("-"):
+            return parser  # the command named alone
+        assert words[at] in jobs[0].choices, f"mlx-spec {sub} has no job {words[at]!r}"
+        return jobs[0].choices[words[at]]
     return parser
 
 

@@ -117,9 +117,14 @@ class Eagle3Head(nn.Module):
             a = self.input_norm(a)
         return self.fc(a)
 
-    def __call__(self, emb: mx.array, g: mx.array, cache: list) -> tuple[mx.array, mx.array]:
-        """emb, g [1, T, H] -> (next feature, normed hidden for `lm_head`), both [1, T, H]."""
-        mask = causal_mask(emb, cache[0])
+    def __call__(self, emb: mx.array, g: mx.array, cache: list, mask=None) -> tuple[mx.array, mx.array]:
+        """emb, g [1, T, H] -> (next feature, normed hidden for `lm_head`), both [1, T, H].
+
+        `mask` (default: causal after the cache's offset) lets the trainer's
+        training-time test run this very forward with its own attention pattern
+        (mlx_spec.train.ttt)."""
+        if mask is None:
+            mask = causal_mask(emb, cache[0])
         h = self.layers[0](emb, g, mask, cache[0])
         for layer, c in zip(self.layers[1:], cache[1:]):
             h = layer(h, mask, c)

@@ -1,0 +1,114 @@
+"""The train command and its jobs (eagle3, realign, export): train draft heads here (docs/training.md).
+
+    mlx-spec train eagle3  --model M --out DIR [--prompts FILE] [--samples N] [--max-length L]
+                           [--epochs E | --steps S] [--draft-vocab V] [--tap-layers a,b,c] [--resume]
+    mlx-spec train realign --drafter HEAD_DIR --model M --out DIR [...]
+    mlx-spec train export  DIR OUT --layout {midlayer,speculators} --model M
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) -> None:
+    p.add_argument("--model", required=True, help="the target: a folder, Hugging Face repo id or zoo name")
+    p.add_argument("--out", required=True, help="output folder: the head, its checkpoints, data and eval.json")
+    p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': '...'} rows; without it "
+                   "the target writes its own prompts from its chat template")
+    p.add_argument("--samples", type=int, default=samples, help=f"training prompts (default {samples})")
+    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the evaluation (default 8)")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per sequence, prompt included (default 512)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--epochs", type=float, default=epochs, help=f"passes over the data (default {epochs})")
+    g.add_argument("--steps", type=int, help="optimizer steps (one sequence each), instead of --epochs")
+    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
+    p.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
+    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between progress lines")
+    p.add_argument("--eval-k", type=int, default=4, help="draft length of the evaluation (default 4)")
+    p.add_argument("--eval-tokens", type=int, default=128, help="tokens generated per evaluation prompt")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="job", metavar="JOB", required=True)
+    e = sub.add_parser("eagle3", help="train a new EAGLE-3 head for a target",
+                       description="Train a new EAGLE-3 head on data the target generates itself.")
+    _common(e, samples=1000, epochs=2, lr=3e-4)
+    e.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: min(16384, target's))")
+    e.add_argument("--data-from", help="reuse the generated data and held-out prompts of an earlier run's "
+                   "folder instead of generating them (e.g. to try other settings)")
+    e.add_argument("--tap-layers", help="target layers whose outputs the head reads, e.g. 1,14,26 "
+                   "(default: EAGLE-3's low/mid/high: 1, N//2-1, N-4)")
+    r = sub.add_parser("realign", help="fine-tune an existing EAGLE-3 head to this target",
+                       description="Fine-tune an EAGLE-3 head (e.g. a published one) to the target you run "
+                                   "(a quantized conversion, a fine-tune); reports tau before and after.")
+    r.add_argument("--drafter", required=True, help="the head folder (from `mlx-spec convert head`)")
+    _common(r, samples=2000, epochs=1, lr=1e-4)
+    x = sub.add_parser("export", help="write a trained head in a published EAGLE-3 layout",
+                       description="Write a head folder in the reference (midlayer) or speculators layout; "
+                                   "`mlx-spec convert head` reads both back.")
+    x.add_argument("src", help="the trained head folder")
+    x.add_argument("dest", help="output folder")
+    x.add_argument("--layout", choices=("midlayer", "speculators"), default="midlayer")
+    x.add_argument("--model", help="the target (speculators' layout carries a copy of its embedding)")
+    x.add_argument("--force", action="store_true", help="replace DEST if it exists")
+
+
+def _taps(text):
+    if not text:
+        return None
+    return [t.strip() if t.strip() == "embed" else int(t) for t in text.split(",")]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..cli import report
+    from ..generate_cli import resolve_model
+    from ..load_errors import ModelLoadError
+
+    try:
+        if args.job == "export":
+            return _export(args)
+        prompts = args.prompts
+        if prompts is not None:
+            from .data import read_prompts
+
+            read_prompts(prompts)  # a bad file fails before the model is even loaded
+        import mlx_spec
+
+        model, tokenizer = mlx_spec.load(resolve_model(args.model))
+        common = dict(prompts=prompts, samples=args.samples, eval_prompts=args.eval_prompts,
+                      max_length=args.max_length, epochs=args.epochs, steps=args.steps, resume=args.resume,
+                      seed=args.seed, lr=args.lr, ttt_steps=args.ttt_steps,
+                      checkpoint_every=args.checkpoint_every, log_every=args.log_every,
+                      eval_k=args.eval_k, eval_tokens=args.eval_tokens)
+        if args.job == "eagle3":
+            from .run import train_eagle3
+
+            train_eagle3(model, tokenizer, args.out, draft_vocab=args.draft_vocab, data_from=args.data_from,
+                         tap_layers=_taps(args.tap_layers), **common)
+        else:
+            from .run import realign
+
+            realign(model, tokenizer, args.drafter, args.out, **common)
+    except ModelLoadError:
+        raise
+    except (ValueError, FileNotFoundError) as e:
+        return report(e, args)
+    print(args.out)
+    return 0
+
+
+def _export(args) -> int:
+    from .export import export
+
+    model = None
+    if args.model is not None:
+        import mlx_spec
+        from ..generate_cli import resolve_model
+
+        model, _ = mlx_spec.load(resolve_model(args.model))
+    print(export(args.src, args.dest, args.layout, model=model, force=args.force))
+    return 0

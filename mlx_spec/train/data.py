@@ -1,0 +1,192 @@
+"""Training data by self-distillation, and the draft vocabulary built from it.
+
+The head learns what the target says, so the target writes its own data (as
+EAGLE-3 and HASS train on target-generated answers): each prompt is rendered
+with the target's chat template and answered greedily by the target through
+mlx-spec's batched decode loop (`batch_generate`). Prompts come from a JSONL
+file (rows with `messages`, a chat list, or `prompt`, a string) or, without
+one, from the target itself: its chat template's user-turn header is given
+to the target, which writes a user turn (Magpie, arXiv 2406.08464), sampled
+with a seed. No data set is downloaded.
+
+Files in the output folder (JSONL, one row per sample, written atomically):
+* `data.jsonl`   {"tokens": [...], "prompt_len": n}: prompt and answer ids;
+* `eval.jsonl`   {"messages": [...]}: held-out prompts, never trained on.
+`--resume` reads both back instead of generating again.
+
+Draft vocabulary (EAGLE-3 / SpecForge): the `V_d` ids most frequent among the
+answer tokens (ties: lower id first; ids never seen fill up the rest in id
+order), sorted; `d2t` maps draft id i to target id `d2t[i]`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+_SENTINEL = "\x00MLXSPEC\x00"
+
+
+class DataError(ValueError):
+    """Unusable training input: the message names the problem and the fix."""
+
+
+def read_prompts(path) -> list[list[dict]]:
+    """Chat message lists from a JSONL file of `{"messages": [...]}` or `{"prompt": "..."}` rows."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"--prompts {path}: no such file")
+    out, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        msgs = _messages(row)
+        if msgs is None:
+            bad += 1
+        else:
+            out.append(msgs)
+    if not out:
+        raise DataError(
+            f"--prompts {path}: no usable rows ({bad} unreadable or without a non-empty 'messages' "
+            "list or 'prompt' string). Write one JSON object per line, e.g. "
+            '{"prompt": "Explain recursion"} or {"messages": [{"role": "user", "content": "Hi"}]}'
+        )
+    return out
+
+
+def _messages(row) -> list[dict] | None:
+    if not isinstance(row, dict):
+        return None
+    if isinstance(row.get("prompt"), str) and row["prompt"].strip():
+        return [{"role": "user", "content": row["prompt"]}]
+    msgs = row.get("messages")
+    if isinstance(msgs, list) and msgs and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str) for m in msgs
+    ):
+        # Train on the answer to everything up to the last user turn.
+        while msgs and msgs[-1]["role"] == "assistant":
+            msgs = msgs[:-1]
+        return msgs or None
+    return None
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Prompt ids: the chat template with the assistant header, or the raw text without one."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
+
+
+def user_header(tokenizer) -> list[int]:
+    """The ids the chat template puts before a user turn's text (Magpie's prompt)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            "the target's tokenizer has no chat template, so it cannot write its own prompts; "
+            "pass --prompts FILE (JSONL rows with 'prompt' or 'messages')"
+        )
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    head = text.split(_SENTINEL)[0]
+    if not head or head == text:
+        raise DataError("the chat template does not show where a user turn starts; pass --prompts FILE")
+    return list(tokenizer.encode(head, add_special_tokens=False))
+
+
+def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, log=print) -> list[list[dict]]:
+    """`n` user turns written by the target from its chat template's user header (sampled; row i
+    of round r uses seed `seed + r * n + i`, so every row draws its own turn)."""
+    header = user_header(tokenizer)
+    out: list[list[dict]] = []
+    seen: set[str] = set()
+    for r in range(4):  # rounds: short or repeated turns are dropped and drawn again
+        want = n - len(out)
+        if want <= 0:
+            break
+        seeds = [seed + r * n + i for i in range(want)]
+        texts = _sample(model, tokenizer, header, seeds, max_tokens)
+        for text in texts:
+            text = text.replace(tokenizer.eos_token or "\x00", "").strip()
+            if len(text) >= 8 and text not in seen:
+                seen.add(text)
+                out.append([{"role": "user", "content": text}])
+        log(f"prompts: {len(out)}/{n} written by the target")
+    if not out:
+        raise DataError("the target wrote no usable prompts from its chat template; pass --prompts FILE")
+    return out[:n]
+
+
+def _sample(model, tokenizer, prompt: list[int], seeds: list[int], max_tokens: int) -> list[str]:
+    """One sampled continuation of `prompt` per seed, decoded together (`BatchDecoder`)."""
+    from mlx_lm.generate import generation_stream, wired_limit
+
+    from ..batch import BatchDecoder
+
+    decoder = BatchDecoder(model, tokenizer, max_batch=8)
+    uids = [decoder.add(prompt, None, max_tokens=max_tokens, temp=1.0, top_p=0.95, seed=s) for s in seeds]
+    texts = {u: "" for u in uids}
+    try:
+        with wired_limit(model, [generation_stream]):
+            while decoder.busy:
+                for uid, block in decoder.step():
+                    for resp in block:
+                        texts[uid] += resp.text
+                        if resp.finish_reason is not None:
+                            decoder.release(uid)
+    finally:
+        for uid in uids:
+            decoder.release(uid)
+    return [texts[u] for u in uids]
+
+
+def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=print) -> list[dict]:
+    """Greedy answers of the target: rows {"tokens", "prompt_len"}, at most `max_length` ids each."""
+    from ..decode import batch_generate
+
+    rows = []
+    keep = [p for p in prompts if len(p) <= max_length - 8]  # room for an answer of 8 tokens or more
+    for s in range(0, len(keep), 16):
+        part = keep[s : s + 16]
+        budget = max(8, max_length - max(len(p) for p in part))
+        res = batch_generate(model, tokenizer, part, None, max_batch=8, max_tokens=budget)
+        for p, toks in zip(part, res.tokens):
+            if toks:
+                rows.append({"tokens": [int(t) for t in p + toks][:max_length], "prompt_len": len(p)})
+        log(f"answers: {min(s + 16, len(keep))}/{len(keep)}")
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def read_jsonl(path: Path) -> list:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def draft_vocab(rows: list[dict], size: int, vocab: int) -> np.ndarray:
+    """Sorted target ids of the draft vocabulary: the `size` most frequent answer tokens."""
+    if size > vocab:
+        raise DataError(f"--draft-vocab {size} is larger than the target's vocabulary ({vocab}); "
+                        f"pass at most {vocab}")
+    counts = np.zeros(vocab, np.int64)
+    for r in rows:
+        ans = np.asarray(r["tokens"][r["prompt_len"]:], np.int64)
+        np.add.at(counts, ans[(ans >= 0) & (ans < vocab)], 1)
+    order = np.lexsort((np.arange(vocab), -counts))  # by count desc, then id asc
+    return np.sort(order[:size]).astype(np.int32)
+
+
+def coverage(rows: list[dict], ids: np.ndarray) -> float:
+    """Share of answer tokens inside the draft vocabulary."""
+    inside = set(int(i) for i in ids)
+    ans = [t for r in rows for t in r["tokens"][r["prompt_len"]:]]
+    return sum(t in inside for t in ans) / max(1, len(ans))

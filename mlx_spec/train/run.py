@@ -1,0 +1,218 @@
+"""The two jobs, end to end: `train_eagle3` (a new head) and `realign` (fine-tune a head).
+
+Both follow the same order, and every check on the user's input runs before
+any data is generated or any step is trained: the output folder (new, or a
+run to resume), the prompts file, the draft vocabulary size, the taps, and
+for `realign` the head itself (made for this target, an EAGLE-3 head with its
+own LM head, not quantized). Then: data (generated, or read back on resume),
+training, and the evaluation with the real decode loop written to
+`DIR/eval.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..drafters.base import check_target, vocab_size
+from ..taps import EMBED, decoder_stack
+from . import data as D
+from .evaluate import evaluate, summary
+from .export import head_config, save_json, target_identity
+from .trainer import Settings, Trainer, settings_dict
+
+
+def _err(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def default_taps(n_layers: int) -> list:
+    """EAGLE-3's low/mid/high taps: inputs of layers 2, N//2, N-3 = outputs of 1, N//2-1, N-4."""
+    if n_layers < 5:
+        raise ValueError(f"the target has {n_layers} decoder layers; the EAGLE-3 default taps need at "
+                         "least 5: pass --tap-layers a,b,c")
+    return [1, n_layers // 2 - 1, n_layers - 4]
+
+
+def check_taps(model, taps) -> list:
+    n = len(decoder_stack(model).layers)
+    taps = default_taps(n) if not taps else list(taps)
+    bad = [t for t in taps if t != EMBED and not (isinstance(t, int) and 0 <= t < n)]
+    if bad:
+        raise ValueError(f"--tap-layers {bad}: the target has decoder layers 0..{n - 1} (or 'embed')")
+    return taps
+
+
+def check_out(out: Path, resume: bool) -> None:
+    if resume:
+        if not (out / "train.json").is_file() or not (out / "state.json").is_file():
+            raise ValueError(f"--resume: {out} holds no checkpoint of a training run (train.json, "
+                             "state.json; a run stopped while generating its data has none): start "
+                             "without --resume in a new or empty folder")
+    elif out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; pass --resume to continue the run in it, "
+                         "or choose a new --out")
+
+
+def _messages_for(model, tokenizer, prompts_file, n: int, seed: int, log) -> list:
+    if prompts_file is not None:
+        rows = D.read_prompts(prompts_file)
+        rng = np.random.default_rng(seed)
+        return [rows[i] for i in rng.permutation(len(rows))][:n]
+    return D.magpie_prompts(model, tokenizer, n, seed, log=log)
+
+
+def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, max_length: int, seed: int,
+              log) -> tuple[list, list]:
+    """Generate (training rows, held-out eval prompts) into `out`."""
+    msgs = prompts if isinstance(prompts, list) else _messages_for(model, tokenizer, prompts, samples + eval_n,
+                                                                  seed, log)
+    if len(msgs) < 2:
+        raise D.DataError(f"{len(msgs)} usable prompt(s); training needs at least 2 (one is held out)")
+    eval_n = min(eval_n, max(1, len(msgs) // 5))
+    held, train = msgs[:eval_n], msgs[eval_n:]
+    rows = D.answer(model, tokenizer, [D.encode_chat(tokenizer, m) for m in train], max_length, log=log)
+    if not rows:
+        raise D.DataError(f"no training sequences: every prompt leaves fewer than 8 of --max-length "
+                          f"{max_length} tokens for its answer; raise --max-length")
+    out.mkdir(parents=True, exist_ok=True)
+    D.write_jsonl(out / "data.jsonl", rows)
+    D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
+    return rows, held
+
+
+def _load_data(out: Path) -> tuple[list, list]:
+    return D.read_jsonl(out / "data.jsonl"), [r["messages"] for r in D.read_jsonl(out / "eval.jsonl")]
+
+
+def _steps(steps, epochs, n: int) -> int:
+    return int(steps) if steps else max(1, int(round(epochs * n)))
+
+
+def _finish(trainer: Trainer, model, tokenizer, out: Path, held, eval_k, eval_tokens, on_step, log,
+            before=None) -> dict:
+    trainer.run(on_step)
+    from ..heads import load_drafter
+
+    figures = evaluate(model, tokenizer, load_drafter(out, model), held, eval_k, eval_tokens, log=log)
+    report = figures if before is None else {"before": before, "after": figures}
+    save_json(out / "eval.json", report)
+    if before is not None:
+        log("before: " + summary(before))
+    log(("after: " if before is not None else "") + summary(figures))
+    return report
+
+
+def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, eval_prompts: int = 8,
+                 max_length: int = 512, epochs: float = 2, steps: int | None = None,
+                 draft_vocab: int | None = None, tap_layers=None, resume: bool = False, seed: int = 0,
+                 lr: float = 3e-4, ttt_steps: int = 7, checkpoint_every: int = 200, log_every: int = 10,
+                 eval_k: int = 4, eval_tokens: int = 128, data_from=None, on_step=None, log=_err) -> dict:
+    """Train a new EAGLE-3 head for `model` into `out`; returns the evaluation figures.
+
+    `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them);
+    `data_from`: the folder of an earlier run whose data (and held-out prompts) to reuse."""
+    from ..drafters.eagle import Eagle3Head
+
+    out = Path(out)
+    check_out(out, resume)
+    if resume:
+        run = json.loads((out / "train.json").read_text())
+        cfg = json.loads((out / "config.json").read_text())
+        check_target(model, f"{out} (the run to resume)", "Resume with the target the run was started with.",
+                     made_for=cfg["mlx_spec"]["target"])
+        rows, held = _load_data(out)
+        settings = Settings(**run["settings"])
+        d2t = mx.load(str(out / "model.safetensors"))["draft_to_target"]
+        head = Eagle3Head(cfg)
+        trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
+        trainer.restore()
+        log(f"resuming {out} at step {trainer.step}/{settings.steps}")
+        return _finish(trainer, model, tokenizer, out, held, run["eval_k"], run["eval_tokens"], on_step, log)
+    V = vocab_size(model)
+    draft_vocab = min(V, 16384) if draft_vocab is None else int(draft_vocab)
+    if draft_vocab > V:
+        raise D.DataError(f"--draft-vocab {draft_vocab} is larger than the target's vocabulary ({V}); "
+                          f"pass at most {V}")
+    if draft_vocab < 1:
+        raise D.DataError(f"--draft-vocab must be at least 1, got {draft_vocab}")
+    taps = check_taps(model, tap_layers)
+    if data_from is not None and not (Path(data_from) / "data.jsonl").is_file():
+        raise ValueError(f"--data-from {data_from}: no data.jsonl there (the folder of an earlier train run)")
+    if data_from is not None:  # another run's generated set, reused as it is
+        rows, held = _load_data(Path(data_from))
+        out.mkdir(parents=True, exist_ok=True)
+        D.write_jsonl(out / "data.jsonl", rows)
+        D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
+    else:
+        if isinstance(prompts, (str, Path)):
+            prompts = D.read_prompts(prompts)  # a bad file fails here, before any model work
+        rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
+    ids = D.draft_vocab(rows, draft_vocab, V)
+    log(f"{len(rows)} sequences, {sum(len(r['tokens']) for r in rows)} tokens; draft vocabulary {draft_vocab} "
+        f"covers {D.coverage(rows, ids):.1%} of answer tokens")
+    cfg = head_config(model, taps, draft_vocab)
+    mx.random.seed(seed)
+    head = Eagle3Head(cfg)
+    d2t = mx.array(ids)
+    mx.eval(head.parameters())
+    settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
+                        checkpoint_every=checkpoint_every, log_every=log_every, taps=taps)
+    save_json(out / "train.json", {"kind": "eagle3", "settings": settings_dict(settings), "eval_k": eval_k,
+                                   "eval_tokens": eval_tokens, "samples": len(rows)})
+    trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
+    trainer.save()  # step 0: the folder is a loadable head (and resumable) from the start
+    return _finish(trainer, model, tokenizer, out, held, eval_k, eval_tokens, on_step, log)
+
+
+def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 2000, eval_prompts: int = 8,
+            max_length: int = 512, epochs: float = 1, steps: int | None = None, resume: bool = False,
+            seed: int = 0, lr: float = 1e-4, ttt_steps: int = 7, checkpoint_every: int = 200,
+            log_every: int = 10, eval_k: int = 4, eval_tokens: int = 128, on_step=None, log=_err) -> dict:
+    """Fine-tune the EAGLE-3 head in `drafter_dir` to `model`; eval.json holds tau before and after."""
+    from ..drafters.eagle import Eagle3Head
+    from ..heads import load_drafter
+
+    out = Path(out)
+    check_out(out, resume)
+    if resume:
+        run = json.loads((out / "train.json").read_text())
+        if run.get("kind") != "realign":
+            raise ValueError(f"{out} holds a train eagle3 run; resume it with `mlx-spec train eagle3 --resume`")
+        drafter_dir = run["drafter"]
+    drafter = load_drafter(drafter_dir, model)  # refuses a head made for another target
+    head, cfg = drafter.head, json.loads(json.dumps(drafter.config))
+    if not isinstance(head, Eagle3Head):
+        raise ValueError(f"{drafter_dir} is not an EAGLE-3 head; realign fine-tunes EAGLE-3 heads")
+    if cfg.get("quantization"):
+        raise ValueError(f"{drafter_dir} is quantized; realign a float head (convert it without -q), "
+                         "then quantize the result")
+    if "lm_head" not in head:
+        raise ValueError(f"{drafter_dir} drafts with the target's LM head; realign needs a head with its own")
+    V = vocab_size(model)
+    d2t = drafter._d2t if drafter._d2t is not None else mx.arange(V, dtype=mx.int32)
+    cfg["mlx_spec"]["target"] = target_identity(model)
+    if resume:
+        rows, held = _load_data(out)
+        settings = Settings(**run["settings"])
+        trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
+        trainer.restore()
+        return _finish(trainer, model, tokenizer, out, held, run["eval_k"], run["eval_tokens"], on_step, log,
+                       before=run["before"])
+    if isinstance(prompts, (str, Path)):
+        prompts = D.read_prompts(prompts)
+    rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
+    before = evaluate(model, tokenizer, drafter, held, eval_k, eval_tokens, log=log)
+    log("before: " + summary(before))
+    settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
+                        checkpoint_every=checkpoint_every, log_every=log_every, taps=list(drafter.taps))
+    save_json(out / "train.json", {"kind": "realign", "drafter": str(drafter_dir), "before": before,
+                                   "settings": settings_dict(settings), "eval_k": eval_k,
+                                   "eval_tokens": eval_tokens, "samples": len(rows)})
+    trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
+    trainer.save()
+    return _finish(trainer, model, tokenizer, out, held, eval_k, eval_tokens, on_step, log, before=before)

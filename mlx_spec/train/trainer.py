@@ -1,0 +1,173 @@
+"""The training loop: online target features, TTT loss, AdamW, checkpoints that resume exactly.
+
+State of a run, all in the output folder:
+* `train.json`        the run's settings (steps, learning rate, taps, seed, ...);
+* `config.json` + `model.safetensors`   the head so far (a loadable drafter);
+* `optimizer.safetensors`  AdamW's moments and step count;
+* `state.json`        the number of optimizer steps done (written last).
+Every file is replaced through a temporary name; the head and optimizer files
+carry the step they belong to in their metadata, and resuming refuses a set
+whose steps disagree. The data order is a function of (seed, epoch) only and
+no random numbers are drawn while training, so a run stopped after any
+checkpoint and resumed gives the same weights as one that never stopped.
+
+The frozen target runs once per sequence, outside the differentiated
+function, with taps installed (`mlx_spec.taps.Taps`); its features and
+logits enter the loss as constants (`target_batch`). Sequences are capped at
+`max_length` tokens, so memory is bounded by that and `steps`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from ..taps import Taps, decoder_stack, embedding
+from .export import save_json, save_tensors, write_head
+from .ttt import draft_index, loss_fn, target_batch
+
+
+@dataclass
+class Settings:
+    """What a run does; saved as train.json and read back by --resume."""
+
+    steps: int  # optimizer steps in the whole run (one sequence each)
+    lr: float = 3e-4
+    warmup: float = 0.05  # share of the steps spent warming up linearly
+    weight_decay: float = 0.0
+    clip: float = 0.5  # global gradient-norm clip (SpecForge's default)
+    ttt_steps: int = 7
+    seed: int = 0
+    checkpoint_every: int = 200
+    log_every: int = 10
+    taps: list = field(default_factory=list)
+
+
+def schedule(s: Settings):
+    """Linear warm-up to `lr`, then cosine decay to zero over the remaining steps."""
+    warm = max(1, int(round(s.warmup * s.steps)))
+    rest = max(1, s.steps - warm)
+    return optim.join_schedules([optim.linear_schedule(0.0, s.lr, warm), optim.cosine_decay(s.lr, rest)], [warm])
+
+
+def order(n: int, seed: int, step: int) -> int:
+    """Index of the sequence optimizer step `step` trains on: a fresh permutation each epoch."""
+    epoch, i = divmod(step, n)
+    return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
+
+
+class Trainer:
+    """Trains `head` (an `Eagle3Head`) on `rows` against `model`; writes to `out`."""
+
+    def __init__(self, model, head, config: dict, d2t: mx.array, rows: list[dict], out, settings: Settings,
+                 log=None):
+        self.model, self.head, self.config, self.rows = model, head, config, rows
+        self.d2t = d2t.astype(mx.int32)
+        self.out, self.s = Path(out), settings
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        # The drafter's own choice (EagleDrafter.bind): the head's embedding if it has one.
+        self.embed = head.embed_tokens if "embed_tokens" in head else embedding(decoder_stack(model))
+        if "embed_tokens" in head:
+            head.embed_tokens.freeze()  # the embedding stays as it is (SpecForge freezes it too)
+        self.index = draft_index(self.d2t, config["vocab_size"])
+        self.opt = optim.AdamW(learning_rate=schedule(settings), weight_decay=settings.weight_decay)
+        self.opt.init(head.trainable_parameters())
+        self.step = 0
+        self._grad = nn.value_and_grad(head, self._loss)
+
+    def _loss(self, batch):
+        return loss_fn(self.head, self.embed, batch, self.s.taps, self.s.ttt_steps)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save(self) -> None:
+        meta = {"step": str(self.step)}
+        write_head(self.out, self.head, self.config, self.d2t, meta)
+        save_tensors(self.out / "optimizer.safetensors", dict(tree_flatten(self.opt.state)), meta)
+        save_json(self.out / "state.json", {"step": self.step, "steps": self.s.steps})
+
+    def restore(self) -> None:
+        """Continue from the folder's last checkpoint (head, optimizer, step)."""
+        state = json.loads((self.out / "state.json").read_text())
+        step = int(state["step"])
+        w, wm = mx.load(str(self.out / "model.safetensors"), return_metadata=True)
+        o, om = mx.load(str(self.out / "optimizer.safetensors"), return_metadata=True)
+        if wm.get("step") != str(step) or om.get("step") != str(step):
+            raise ValueError(f"{self.out}: the checkpoint files belong to different steps "
+                             f"(state {step}, head {wm.get('step')}, optimizer {om.get('step')}); "
+                             "it was interrupted while saving: start again without --resume")
+        w.pop("draft_to_target", None)
+        self.head.load_weights(list(w.items()), strict=True)
+        self.opt.state = tree_unflatten(list(o.items()))
+        self.step = step
+        mx.eval(self.head.parameters(), self.opt.state)
+
+    # ------------------------------------------------------------ the loop
+
+    def run(self, on_step=None) -> dict:
+        """Train until `settings.steps`; returns the last logged figures. `on_step(step)` is
+        called after each optimizer step (and its checkpoint, if one is due)."""
+        s, n = self.s, len(self.rows)
+        if n == 0:
+            raise ValueError("no training sequences")
+        taps = Taps(self.model, s.taps)
+        self._started = self.step
+        t0, toks, last = time.perf_counter(), 0, {}
+        losses, accs = [], []
+        try:
+            while self.step < s.steps:
+                row = self.rows[order(n, s.seed, self.step)]
+                batch = target_batch(self.model, taps, row["tokens"], row["prompt_len"], self.d2t, self.index)
+                (loss, acc), grads = self._grad(batch)
+                grads, _ = optim.clip_grad_norm(grads, s.clip)
+                self.opt.update(self.head, grads)
+                mx.eval(self.head.parameters(), self.opt.state, loss, acc)
+                self.step += 1
+                toks += len(row["tokens"])
+                losses.append(loss.item())
+                accs.append(np.array(acc))
+                if self.step % s.checkpoint_every == 0 or self.step == s.steps:
+                    self.save()
+                if self.step % s.log_every == 0 or self.step == s.steps:
+                    last = self._progress(losses, accs, toks, time.perf_counter() - t0)
+                    losses, accs = [], []
+                if on_step is not None:
+                    on_step(self.step)
+        finally:
+            taps.remove()
+        return last
+
+    def _progress(self, losses, accs, toks, dt) -> dict:
+        s = self.s
+        tps = toks / dt if dt else 0.0
+        per_step = dt / max(1, self.step - self._started)
+        eta = per_step * (s.steps - self.step)
+        acc = np.mean(accs, axis=0) if accs else np.zeros(s.ttt_steps)
+        lr = float(self.opt.learning_rate)
+        self.log(f"step {self.step}/{s.steps} | loss {np.mean(losses):.3f} | top-1 agreement "
+                 f"{' '.join(f'{a:.2f}' for a in acc)} | {tps:.0f} tok/s | lr {lr:.2e} | "
+                 f"ETA {_clock(eta)}")
+        return {"step": self.step, "loss": float(np.mean(losses)), "agreement": [float(a) for a in acc],
+                "tokens_per_second": tps}
+
+
+def _clock(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    m, sec = divmod(int(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{sec:02d}"
+
+
+def settings_dict(s: Settings) -> dict:
+    return asdict(s)
