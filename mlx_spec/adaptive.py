@@ -411,9 +411,10 @@ def _load_learned(policy: AdaptiveK, path: Path) -> None:
         accept, seen = data["accept"], data["seen"]
         if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
             return  # another draft limit: start cold
-        # Warm, but worth only a few observations: another process's workload (code, chat)
-        # may differ from this one's, so this request's own steps soon outweigh it.
-        policy.accept = accept
+        # Warm, but worth only a few observations, and never more pessimistic than a cold
+        # start: another process's workload (chat) may differ from this one's (code edits),
+        # and a policy that started parked would rarely look again within one request.
+        policy.accept = [[max(float(a), PRIOR) for a in row] for row in accept]
         policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}

@@ -358,7 +358,9 @@ def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
     (learned,) = adaptive._POLICIES.get(first).values()
     later = mlx_spec.NGramDrafter(min_n=1, max_n=2)  # another object, as in a new process
     policy = adaptive.policy_for(model, later, 16, sampling=mlx_spec.Sampling())
-    assert policy is not learned and policy.accept == learned.accept
+    assert policy is not learned
+    assert policy.accept == [[max(a, adaptive.PRIOR) for a in row] for row in learned.accept]
+    assert any(a > adaptive.PRIOR for row in policy.accept for a in row)
     assert max(map(max, learned.seen)) > adaptive.LOADED_WEIGHT  # it saw more than it carries over
     assert policy.seen == [[min(n, adaptive.LOADED_WEIGHT) for n in row] for row in learned.seen]
     assert max(policy.estimates(s)[0] for s in (0, 1)) > adaptive.PRIOR + 0.1
@@ -368,3 +370,15 @@ def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
     assert adaptive.model_key(other) == adaptive.model_key(model)
     fresh = mlx_spec.NGramDrafter(min_n=1, max_n=2)
     assert adaptive.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
+
+
+def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start():
+    model = v8_successor_llama()
+    gloomy = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+    gloomy.accept = [[0.05] * 16 for _ in gloomy.accept]  # learned on a workload where nothing matched
+    gloomy.seen = [[50] * 16 for _ in gloomy.seen]
+    drafter = mlx_spec.NGramDrafter()
+    adaptive.save_learned(gloomy, adaptive.policy_file(model, drafter, mlx_spec.Sampling()))
+    loaded = adaptive.policy_for(model, drafter, 16, sampling=mlx_spec.Sampling())
+    assert loaded.accept == [[adaptive.PRIOR] * 16 for _ in loaded.accept]
+    assert loaded.choose()[0] > 0  # drafts from the first step, as a cold start does
