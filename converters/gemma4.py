@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .common import (
-    HEAD_FORMAT_VERSION, ConversionError, read_config, read_tensors, rename, target_identity,
+    HEAD_FORMAT_VERSION, ConversionError, check_shapes, read_config, read_tensors, rename, target_identity,
     write_head,
 )
 from .dflash import read_target
@@ -89,14 +89,7 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     want = dict(tree_flatten(AssistantNet(config).parameters()))
     for key in [k for k in want if k.endswith(".layer_scalar") and k not in out]:
         out[key] = mx.ones((1,))
-    missing, extra = sorted(set(want) - set(out)), sorted(set(out) - set(want))
-    if missing or extra:
-        raise ConversionError(f"the assistant's tensors do not fit its config: missing {missing[:4]}, "
-                              f"unexpected {extra[:4]}")
-    bad = [f"{k} {tuple(out[k].shape)} (expected {tuple(v.shape)})" for k, v in want.items()
-           if tuple(out[k].shape) != tuple(v.shape)]
-    if bad:
-        raise ConversionError(f"misshaped assistant tensors: {bad[:3]}")
+    check_shapes(out, {k: v.shape for k, v in want.items()}, "Gemma 4 assistant checkpoint")
     return config, out
 
 

@@ -220,6 +220,9 @@ def test_the_assistant_of_another_target_is_refused(tmp_path):
         conv.build(cfg, {k: mx.array(v) for k, v in w.items()}, {**target_config(), "hidden_size": 128})
     with pytest.raises(ConversionError, match="drafts for Gemma 4 targets"):
         conv.build(cfg, {k: mx.array(v) for k, v in w.items()}, {**target_config(), "model_type": "qwen3"})
+    cut = dict(w, **{"model.layers.1.mlp.up_proj.weight": w["model.layers.1.mlp.up_proj.weight"][:-1]})
+    with pytest.raises(ConversionError, match="misshaped.*mlp.up_proj"):
+        conv.build(cfg, {k: mx.array(v) for k, v in cut.items()}, target_config())
     w.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(ConversionError, match="missing.*mlp.up_proj"):
         conv.build(cfg, {k: mx.array(v) for k, v in w.items()}, target_config())
