@@ -182,7 +182,7 @@ class BatchDecoder:
             observe_batch(self.model, [r.lengths for r in rows], [d.size for d in drafts], seconds)
         events = []
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
-            row.stats.tree_steps += drafts[rows.index(row)].parents is not None
+            row.stats.tree_steps += v.depth is not None  # verified as a tree
             if row.shape_pick is not None:
                 row.shapes.observe(row.shape_pick, v.n + 1, row.lengths.seconds(v.size))
                 row.shape_pick = None
