@@ -85,15 +85,11 @@ class TreeCache:
         return mx.concatenate([before, self._mask], axis=1)
 
 
-class DepthRoPE:
-    """A rope instance applying position `offset + depth` to each node of a tree block: the
-    nodes become a batch of one-token rows, rotated by one call with per-row offsets where
-    the rope takes an array offset (MLX's own and mlx-lm's scaled ropes), else one call per
-    depth."""
+class DepthPlan:
+    """What every layer's `DepthRoPE` needs about a block's node depths, built once a forward."""
 
-    def __init__(self, inner, depths_: list[int]):
-        self.inner, self.depths = inner, depths_
-        self.per_row = type(inner) in _ARRAY_OFFSET_ROPES
+    def __init__(self, depths_: list[int]):
+        self.depths = mx.array(depths_, mx.int32)
         order = sorted(range(len(depths_)), key=depths_.__getitem__)
         groups, start = [], 0
         for d in sorted(set(depths_)):
@@ -103,16 +99,27 @@ class DepthRoPE:
         self.groups = groups
         self.order, self.unorder = mx.array(order), mx.array(sorted(range(len(order)), key=order.__getitem__))
 
+
+class DepthRoPE:
+    """A rope instance applying position `offset + depth` to each node of a tree block: the
+    nodes become a batch of one-token rows, rotated by one call with per-row offsets where
+    the rope takes an array offset (MLX's own and mlx-lm's scaled ropes), else one call per
+    depth."""
+
+    def __init__(self, inner, plan: DepthPlan):
+        self.inner, self.plan = inner, plan
+        self.per_row = type(inner) in _ARRAY_OFFSET_ROPES
+
     def __call__(self, x, offset=0):
         B, H, n, D = x.shape
+        plan = self.plan
         rows = x.transpose(2, 0, 1, 3).reshape(n * B, H, 1, D)  # node-major, then batch
         if self.per_row:
-            offsets = mx.repeat(mx.array(self.depths, mx.int32) + offset, B)
-            out = self.inner(rows, offset=offsets)
+            out = self.inner(rows, offset=mx.repeat(plan.depths + offset, B))
         else:
-            rows = rows.reshape(n, B, H, 1, D)[self.order].reshape(n * B, H, 1, D)
-            parts = [self.inner(rows[s * B : e * B], offset=offset + d) for d, s, e in self.groups]
-            out = mx.concatenate(parts).reshape(n, B, H, 1, D)[self.unorder]
+            rows = rows.reshape(n, B, H, 1, D)[plan.order].reshape(n * B, H, 1, D)
+            parts = [self.inner(rows[s * B : e * B], offset=offset + d) for d, s, e in plan.groups]
+            out = mx.concatenate(parts).reshape(n, B, H, 1, D)[plan.unorder]
         return out.reshape(n, B, H, D).transpose(1, 2, 0, 3)
 
 
@@ -138,11 +145,11 @@ def forward(model, cache: list, inputs: mx.array, parents: Sequence[int]) -> mx.
         raise ValueError(f"{type(model).__name__} has no rope modules to place tree nodes")
     mask = mx.array(ancestry(parents))
     wrapped = [TreeCache(c, mask) for c in cache]
-    node_depths = [0] + depths(parents)
+    plan = DepthPlan([0] + depths(parents))  # shared by every layer's rope
     originals = [(m, m[k]) for m, k in ropes]
     try:
         for m, k in ropes:
-            m[k] = DepthRoPE(m[k], node_depths)
+            m[k] = DepthRoPE(m[k], plan)
         return model(inputs[None], cache=wrapped)[0]
     finally:  # the graph is built: put the model back at once
         for m, original in originals:
