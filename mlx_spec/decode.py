@@ -74,7 +74,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
     """Generate for several prompts at once: rows verified in one forward, each keeping its
     own accepted prefix (`BatchDecoder`). `drafter` is None, a function returning a new
     drafter for each prompt, or a drafter whose `fork()` gives each prompt its own state.
-    `options` as `stream_generate`'s, for every prompt."""
+    `options` as `stream_generate`'s, for every prompt; `seed` may also be a list, one seed
+    per prompt (one seed for all gives identical prompts identical samples)."""
     if drafter is None or hasattr(drafter, "propose"):
         make = (lambda: None) if drafter is None else drafter.fork
     elif callable(drafter):
@@ -82,8 +83,14 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
     else:
         raise TypeError(f"drafter must be None, a drafter or a function making one, got "
                         f"{type(drafter).__name__}")
+    seeds = options.pop("seed", None)
+    if not isinstance(seeds, (list, tuple)):
+        seeds = [seeds] * len(prompts)
+    elif len(seeds) != len(prompts):
+        raise ValueError(f"seed is a list of {len(seeds)} seeds for {len(prompts)} prompts; "
+                         "give one per prompt, or one int for all")
     decoder = BatchDecoder(model, tokenizer, max_batch=max_batch)
-    uids = [decoder.add(p, make(), **options) for p in prompts]
+    uids = [decoder.add(p, make(), seed=s, **options) for p, s in zip(prompts, seeds)]
     texts, tokens, stats = ({u: "" for u in uids}, {u: [] for u in uids}, {})
     try:
         with wired_limit(model, [generation_stream]):

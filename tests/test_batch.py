@@ -242,3 +242,18 @@ def test_a_pipelined_plain_row_lands_its_step_in_flight_when_another_joins(name)
     out, widths = drain(decoder, out)
     assert out[a] == reference(model, PROMPTS[0], 30) and out[b] == reference(model, PROMPTS[1], 20)
     assert max(widths) == (2 if name == "llama" else 1)
+
+
+def test_batch_generate_takes_a_seed_per_prompt():
+    model = tiny.llama_model(seed=3)
+    prompt = PROMPTS[0]
+
+    def run(seed):
+        return mlx_spec.batch_generate(model, tiny.tokenizer(), [prompt] * 3, None, max_tokens=12,
+                                       temp=1.0, seed=seed).tokens
+
+    same, mixed = run(7), run([7, 8, 7])
+    assert same[0] == same[1] == same[2]  # one seed for all: identical prompts sample alike
+    assert mixed[0] == mixed[2] == same[0] and mixed[1] != mixed[0]
+    with pytest.raises(ValueError, match="one per prompt"):
+        run([1, 2])

@@ -123,26 +123,11 @@ def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, lo
 
 
 def _sample(model, tokenizer, prompt: list[int], seeds: list[int], max_tokens: int) -> list[str]:
-    """One sampled continuation of `prompt` per seed, decoded together (`BatchDecoder`)."""
-    from mlx_lm.generate import generation_stream, wired_limit
+    """One sampled continuation of `prompt` per seed, decoded together."""
+    from ..decode import batch_generate
 
-    from ..batch import BatchDecoder
-
-    decoder = BatchDecoder(model, tokenizer, max_batch=8)
-    uids = [decoder.add(prompt, None, max_tokens=max_tokens, temp=1.0, top_p=0.95, seed=s) for s in seeds]
-    texts = {u: "" for u in uids}
-    try:
-        with wired_limit(model, [generation_stream]):
-            while decoder.busy:
-                for uid, block in decoder.step():
-                    for resp in block:
-                        texts[uid] += resp.text
-                        if resp.finish_reason is not None:
-                            decoder.release(uid)
-    finally:
-        for uid in uids:
-            decoder.release(uid)
-    return [texts[u] for u in uids]
+    return batch_generate(model, tokenizer, [prompt] * len(seeds), None, max_tokens=max_tokens,
+                          temp=1.0, top_p=0.95, seed=list(seeds)).texts
 
 
 def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=print) -> list[dict]:
