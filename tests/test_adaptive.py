@@ -372,7 +372,9 @@ def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
     assert adaptive.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
 
 
-def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start():
+def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start(monkeypatch):
+    monkeypatch.setattr(adaptive, "verify_seconds",  # pinned: a cold start drafts on this curve
+                        lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model = v8_successor_llama()
     gloomy = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
     gloomy.accept = [[0.05] * 16 for _ in gloomy.accept]  # learned on a workload where nothing matched
