@@ -15,6 +15,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ..cache import Checkpoint, make_cache
+from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, vocab_size
 
@@ -56,7 +57,8 @@ class DraftModelDrafter(SavesState):
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""
-        logits = self.model(tokens[None], cache=self.cache)[0, -1]
+        with overlapped(self.model):  # evaluated in pieces while the next steps are built
+            logits = self.model(tokens[None], cache=self.cache)[0, -1]
         if self._v_draft > self._v_target:  # padding rows no tokenizer id reaches
             logits = logits[: self._v_target]
         elif self._v_draft < self._v_target:
