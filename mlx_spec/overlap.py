@@ -20,6 +20,7 @@ work to do (`stats.host_ms_per_step`).
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 
 import mlx.core as mx
@@ -42,30 +43,52 @@ class _Kick(SeeThrough):
 
     def __call__(self, x, *args, **kwargs):
         out = self.inner(x, *args, **kwargs)
-        mx.async_eval(out[0] if isinstance(out, tuple) else out)
         if self.queued.at is None:
             self.queued.at = time.perf_counter()
+        # Returns at once unless MLX already has many operations queued: then it waits for
+        # some to finish, which is time the evaluator was busy, not host time.
+        mx.async_eval(out[0] if isinstance(out, tuple) else out)
         return out
+
+
+# id(stack) -> {layer index: wrapper}, reused step after step; the entry goes when the
+# stack does (a weak reference's callback), so a dropped model takes its wrappers with it.
+_kicks: dict[int, tuple[weakref.ref, dict[int, _Kick]]] = {}
+
+
+def _kick(stack, i: int, queued: Queued) -> _Kick:
+    key = id(stack)
+    entry = _kicks.get(key)
+    if entry is None or entry[0]() is not stack:
+        entry = _kicks[key] = (weakref.ref(stack, lambda _, key=key: _kicks.pop(key, None)), {})
+    kick = entry[1].get(i)
+    if kick is None or kick.inner is not stack.layers[i]:
+        kick = entry[1][i] = _Kick(stack.layers[i], queued)
+    kick.queued = queued
+    return kick
 
 
 @contextmanager
 def overlapped(model, pieces: int | None = None):
-    """For the forwards built inside: every ceil(layers / pieces)-th decoder layer of `model`
-    queues its output as soon as it is built. Models without a layer list run as they are."""
+    """For the forwards built inside: the first and every ceil(layers / pieces)-th decoder
+    layer of `model` queue their output as soon as it is built. Models without a layer list
+    run as they are."""
     queued, pieces = Queued(), PIECES if pieces is None else pieces
     if pieces < 1:
         yield queued
         return
     try:
-        layers = decoder_stack(model).layers
+        stack = decoder_stack(model)
+        layers = stack.layers
     except ValueError:
         yield queued
         return
     every = max(1, -(-len(layers) // pieces))
-    saved = [(i, layers[i]) for i in range(every - 1, len(layers), every)]
+    first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
+    saved = [(i, layers[i]) for i in sorted(first)]
     try:
         for i, layer in saved:
-            layers[i] = _Kick(layer, queued)
+            layers[i] = _kick(stack, i, queued)
         yield queued
     finally:
         for i, layer in saved:
