@@ -203,3 +203,34 @@ def test_the_check_catches_a_wrong_walk_over_block_trees(tmp_path_factory, monke
     runs = L.sampled_runs(model, FLASH_PROMPT, lambda: d, 500, max_tokens=5, k=3, vocab=V8,
                           temp=1.0, seed0=10_000)
     L.assert_caught(runs, joint)
+
+
+# ---- DSpark ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [None, 0.5, 1.0])
+def test_dspark_without_a_markov_head_drafts_trees_and_keeps_greedy_output(tmp_path, threshold):
+    """DeepSpec's "DFlash" layout (markov_rank 0): the same trees, cut to the confidence
+    length when a threshold is set; output token for token the target's."""
+    import test_dspark as T
+
+    model, _, _ = T.echo_target()
+    out, _ = T.make_head(tmp_path, rank=0, confidence_head_with_markov=False)
+    d = load_drafter(out, model, tree_budget=8, confidence_threshold=threshold)
+    seen, propose = [], d.propose
+    d.propose = lambda y, k, s: seen.append(propose(y, k, s)) or seen[-1]
+    got, stats = spec_run(model, d, T.PROMPT, 80, 7)
+    assert got == greedy_reference(model, T.PROMPT, 80)
+    assert all(x.size <= 8 for x in seen)
+    if threshold == 1.0:  # no running confidence product reaches 1: the cut leaves nothing
+        assert all(x.size == 0 for x in seen) and stats.drafted == 0
+    else:
+        assert stats.tree_steps > 0
+
+
+def test_dspark_with_a_markov_head_refuses_a_tree_budget(tmp_path):
+    import test_dspark as T
+
+    out, _ = T.make_head(tmp_path)
+    with pytest.raises(ValueError, match="Markov head conditions each position"):
+        load_drafter(out, T.echo_target()[0], tree_budget=8)

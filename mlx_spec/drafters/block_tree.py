@@ -33,12 +33,14 @@ Its nodes are point masses to the verifier (`Draft.q` is None): the walk
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 
 import mlx.core as mx
 import numpy as np
 
-from ..cache import MAX_DRAFT
+from .. import tree
+from ..cache import MAX_DRAFT, make_cache
 from ..sampling import Sampling
 from .base import Draft
 
@@ -51,6 +53,23 @@ def check_budget(tree_budget) -> int | None:
         raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (the tree's nodes, "
                          f"verified in one forward) or None for chains, got {tree_budget!r}")
     return tree_budget
+
+
+log = logging.getLogger("mlx_spec")
+_said_chains: list = []  # the chains-instead-of-trees note is given once a process
+
+
+def tree_verifiable(model) -> bool:
+    """Whether the target's cache can verify a draft tree in one forward (plain KV layers).
+    When it cannot (recurrent or sliding-window layers) the block drafter drafts chains,
+    said once a process."""
+    if tree.tree_capable(make_cache(model)):
+        return True
+    if not _said_chains:
+        _said_chains.append(True)
+        log.info("this target's cache (recurrent or sliding-window layers) cannot verify draft "
+                 "trees; the block drafter drafts chains instead of tree_budget trees")
+    return False
 
 
 def block_logprobs(logits: mx.array, sampling: Sampling) -> mx.array:

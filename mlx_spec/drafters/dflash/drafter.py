@@ -28,26 +28,21 @@ positions, so it drafts chains only.
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
-proposal never need to be rolled back. `propose` is lazy (no host sync).
+proposal never need to be rolled back. `propose` is lazy (no host sync) when it drafts
+chains.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Sequence
 
 import mlx.core as mx
 
-from ... import tree
-from ...cache import make_cache
 from ...sampling import Sampling
 from ...taps import decoder_stack, embedding
 from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
-from ..block_tree import check_budget, propose_tree
+from ..block_tree import check_budget, propose_tree, tree_verifiable
 from .net import BlockConfig, BlockContext, DFlashNet
-
-log = logging.getLogger("mlx_spec")
-_said_chains: list = []  # the chains-instead-of-trees note is given once a process
 
 
 def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: int | None = None) -> None:
@@ -60,18 +55,6 @@ def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: i
 def block_inputs(y: int, cfg: BlockConfig) -> mx.array:
     """[y, mask x (B-1)] as ids [B]."""
     return mx.array([y] + [cfg.mask_token_id] * (cfg.block_size - 1), dtype=mx.uint32)
-
-
-def tree_verifiable(model) -> bool:
-    """Whether the target's cache can verify a draft tree in one forward (plain KV layers);
-    said once per drafter kind when it cannot, and chains are drafted instead."""
-    if tree.tree_capable(make_cache(model)):
-        return True
-    if not _said_chains:
-        _said_chains.append(True)
-        log.info("this target's cache (recurrent or sliding layers) cannot verify draft trees; "
-                 "the block drafter drafts chains instead of tree_budget trees")
-    return False
 
 
 class DFlashDrafter(SavesState):
