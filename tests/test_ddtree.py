@@ -234,3 +234,36 @@ def test_dspark_with_a_markov_head_refuses_a_tree_budget(tmp_path):
     out, _ = T.make_head(tmp_path)
     with pytest.raises(ValueError, match="Markov head conditions each position"):
         load_drafter(out, T.echo_target()[0], tree_budget=8)
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def test_tree_budget_flag_reaches_block_drafters_and_is_refused_elsewhere(tmp_path):
+    import argparse
+
+    from mlx_spec import generate_cli
+
+    model, _ = target("qwen3")
+    out, _, _ = make_head(tmp_path, "qwen3")
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+
+    def drafter(*argv):
+        return generate_cli.make_drafter(parser.parse_args(list(argv)), model, "unused")
+
+    assert drafter("--draft", str(out), "--tree-budget", "8").tree_budget == 8
+    assert drafter("--draft", str(out)).tree_budget is None
+    for argv, message in [(("--draft", str(out), "--tree-budget", "0"), "tree_budget must be an integer"),
+                          (("--draft", "none", "--tree-budget", "4"), "not with --draft none"),
+                          (("--tree-budget", "4"), "not with --draft ngram"),
+                          (("--draft-model", "x", "--tree-budget", "4"), "not yet with --draft-model")]:
+        with pytest.raises(ValueError, match=message):
+            drafter(*argv)
+
+
+def test_a_chain_only_head_names_the_option_it_does_not_take(tmp_path):
+    from mlx_spec import heads
+
+    with pytest.raises(ValueError, match="eagle drafters take no tree_budget option"):
+        heads._call("mlx_spec.drafters.eagle:load", tmp_path, {}, None, tree_budget=4)
