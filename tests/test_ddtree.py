@@ -105,6 +105,15 @@ def test_a_filtered_distribution_never_puts_a_filtered_token_in_the_tree():
     assert draft.size == 2 + 4 + 8  # every prefix over the 2 tokens kept at each position
 
 
+def test_a_reduced_draft_vocabulary_maps_the_tree_to_target_ids():
+    logits, _ = table(1, k=3, V=6)
+    d2t = mx.array([10, 3, 7, 42, 0, 5], mx.uint32)  # draft id -> target id
+    plain = block_tree.propose_tree(mx.array(logits), mlx_spec.Sampling(), 7)
+    mapped = block_tree.propose_tree(mx.array(logits), mlx_spec.Sampling(), 7, to_target=lambda i: d2t[i])
+    assert mapped.parents == plain.parents
+    assert mapped.tokens.tolist() == [int(d2t[t].item()) for t in plain.tokens.tolist()]
+
+
 @pytest.mark.parametrize("bad", [0, 17, -1, 2.5, True, "8"])
 def test_bad_budgets_are_refused(tmp_path, bad):
     model, _ = target("qwen3")

@@ -45,6 +45,11 @@ the target's vocabulary with zeros elsewhere, so rejection sampling stays exact.
 speculators' checkpoints may keep row 0 for the anchor only (`sample_from_anchor: false`):
 rows 1..B-1 then draft, B-1 tokens, d_0's Markov predecessor still y.
 
+Trees (`tree_budget=N`, `block_tree`): heads without a Markov head (DeepSpec's "DFlash"
+layout) draft DDTree-style trees from U, cut to the confidence length (read in the tree's
+one host sync); a Markov head makes each row depend on the token before it, so those heads
+refuse `tree_budget`.
+
 Non-goals: the `gated`/`rnn` Markov variants.
 """
 

@@ -22,9 +22,9 @@ on one branch (`scripts/block_draft_modes.py` measures both on exact marginals).
 Trees (`tree_budget=N`): the same block forward, then a DDTree of the N most likely
 prefixes under the block's per-position distributions, depth <= k (`block_tree`); its
 nodes are point masses. Reading the [k, N] top-N table costs one host sync in `propose`
-(the verify's own is the other). A target whose cache cannot verify a tree (recurrent
-layers) gets chains instead. DFlash2's candidate selector scores pairs of tokens, not
-positions, so it drafts chains only.
+(the verify's own is the other). A target whose cache cannot verify a tree (recurrent or
+sliding-window layers) gets chains instead. DFlash2's candidate selector scores pairs
+of tokens, not positions, so it drafts chains only.
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
