@@ -179,6 +179,27 @@ def test_a_target_that_cannot_verify_trees_gets_chains(tmp_path):
     assert all(d.parents is None for d in drafts) and stats.tree_steps == 0 and stats.accepted > 0
 
 
+def test_recurrent_targets_are_told_apart_from_plain_kv_ones():
+    import tiny
+
+    assert block_tree.tree_verifiable(target("qwen3")[0])
+    assert not block_tree.tree_verifiable(tiny.qwen3_5_model())  # recurrent layers: chains
+
+
+def test_auto_draft_length_with_a_tree_budget_stays_lossless(tmp_path, monkeypatch):
+    """`auto` picks the depth (and per step the whole tree or its first branch) while the
+    budget fixes the nodes: the same greedy output, and both shapes verified."""
+    from mlx_spec import adaptive
+
+    monkeypatch.setattr(adaptive, "verify_seconds",
+                        lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
+    model, _ = target("qwen3-echo")
+    out, _, _ = make_head(tmp_path, "qwen3-echo", copy=True)
+    got, stats = spec_run(model, load_drafter(out, model, tree_budget=16), PROMPT, 80, "auto", seed=0)
+    assert got == greedy_reference(model, PROMPT, 80)
+    assert stats.tree_steps > 0 and stats.accepted > 0
+
+
 @pytest.mark.slow
 def test_sampled_block_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_path_factory):
     """The 8-token sampled setup of test_dflash (block of 3 drafts), as a tree of 6 nodes:
