@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="draft trees of this many nodes (1..16) from a block drafter's per-position "
+                   "distributions (DFlash, DSpark heads: DDTree-style); default: chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -124,6 +127,11 @@ def make_drafter(args, model, model_path: str):
     import mlx_spec
 
     branches = getattr(args, "branches", 1)
+    if getattr(args, "tree_budget", None) is not None and args.draft_model is not None:
+        # (on this branch only block drafters take --tree-budget; the draft model's trees are
+        # another branch's work: drop this check when that lands)
+        raise ValueError("--tree-budget drafts trees with block drafters (a DFlash or DSpark head: "
+                         "--draft PATH or --draft dspark), not yet with --draft-model")
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches)
@@ -133,6 +141,11 @@ def make_drafter(args, model, model_path: str):
     if args.draft == "ngram+model":
         raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
     kind = args.draft or "ngram"
+    tree_budget = getattr(args, "tree_budget", None)  # block drafters (head folders, dspark)
+    if tree_budget is not None and kind in ("none", "ngram", "mtp"):
+        raise ValueError(f"--tree-budget drafts trees with block drafters (a DFlash or DSpark head: "
+                         f"--draft PATH or --draft dspark), not with --draft {kind}")
+    options = {} if tree_budget is None else {"tree_budget": tree_budget}
     if branches != 1 and kind != "ngram":
         raise ValueError(f"--branches drafts trees with the n-gram and draft-model drafters; "
                          f"--draft {kind} drafts chains (leave --branches out)")
@@ -141,7 +154,7 @@ def make_drafter(args, model, model_path: str):
     if kind == "ngram":
         return mlx_spec.NGramDrafter(branches=branches)
     if kind in ("mtp", "dspark"):  # weights inside the target checkpoint
-        drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
+        drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind, **options)
         k = getattr(args, "num_draft_tokens", "auto")
         if isinstance(k, int) and k > drafter.max_draft and hasattr(drafter, "set_block"):
             drafter.set_block(k)  # DeepSeek-V4 DSpark: vLLM's num_speculative_tokens k
@@ -149,7 +162,7 @@ def make_drafter(args, model, model_path: str):
     from pathlib import Path
 
     if Path(kind).expanduser().is_dir():
-        return mlx_spec.load_drafter(kind, model)
+        return mlx_spec.load_drafter(kind, model, **options)
     raise ValueError(
         f"unknown drafter {kind!r}: use ngram, none, mtp, dspark, a converted head "
         "folder (--draft PATH) or --draft-model PATH"
