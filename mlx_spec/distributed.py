@@ -93,13 +93,12 @@ def init(backend: str = "any", timeout: float | None = None):
     rank = os.environ.get("MLX_RANK")
     if not timeout or rank is None:
         return mx.distributed.init(strict=False, backend=backend)
-    dog = watchdog.watch(timeout, rank)
-    dog.beat("connecting to the other ranks (mx.distributed.init; check the hosts, ports "
-             "and that every rank was started)")
-    group = mx.distributed.init(strict=False, backend=backend)
-    dog.rank = group.rank()
-    dog.pause()  # reading weights takes as long as it takes; the first forward re-arms it
-    return group
+    where = ("connecting to the other ranks (mx.distributed.init; check the hosts, ports and "
+             "that every rank was started)")
+    with watchdog.outside(timeout, rank, where):  # init holds the interpreter lock
+        group = mx.distributed.init(strict=False, backend=backend)
+    watchdog.watch(timeout, group.rank())  # armed by the first forward: reading weights takes
+    return group                           # as long as it takes
 
 
 def shard_of(model) -> Shard | None:

@@ -12,14 +12,21 @@ the other ranks, and `mlx-spec launch` reports the rank.
 
 `pause()` stops the clock for phases that may legitimately take long without
 messages (reading weights from disk); the next `beat` starts it again.
+
+`mx.distributed.init` keeps Python's interpreter lock while it connects, so no
+thread of this process can run then: `outside(...)` watches such a call from a
+small helper process instead, which ends this one (SIGTERM, then SIGKILL) when
+the call has not returned in time.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 
 EXIT_CODE = 1
 DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for the others before it gives up (--dist-timeout)
@@ -56,12 +63,47 @@ class Watchdog:
                 self.expire(where)
 
     def expire(self, where: str) -> None:
-        sys.stderr.write(
-            f"\nerror: rank {self.rank} made no progress for {self.seconds:g} s at {where}: "
-            "another rank hung, died or cannot be reached; ending this rank (limit: "
-            "--dist-timeout)\n")
+        sys.stderr.write(message(self.rank, self.seconds, where))
         sys.stderr.flush()
         os._exit(EXIT_CODE)
+
+
+def message(rank, seconds: float, where: str) -> str:
+    return (f"\nerror: rank {rank} made no progress for {seconds:g} s at {where}: another rank "
+            "hung, died or cannot be reached; ending this rank (limit: --dist-timeout)\n")
+
+
+# The helper: waits on its stdin (closed by this process when the call returned, or when this
+# process ended) for at most the limit; otherwise prints the message and ends this process.
+_HELPER = """
+import os, select, signal, sys, time
+pid, seconds, text = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+ready, _, _ = select.select([sys.stdin], [], [], seconds)
+if not ready:
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            break
+        time.sleep(2)
+"""
+
+
+@contextmanager
+def outside(seconds: float | None, rank, where: str):
+    """Watch the block from another process (for calls that hold the interpreter lock)."""
+    if not seconds:
+        yield
+        return
+    helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(os.getpid()), str(seconds),
+                               message(rank, seconds, where)], stdin=subprocess.PIPE)
+    try:
+        yield
+    finally:
+        helper.stdin.close()
+        helper.wait()
 
 
 _CURRENT: Watchdog | None = None
