@@ -168,6 +168,30 @@ def test_a_hung_rank_ends_the_launch(folder):
         run.kill()
 
 
+def test_a_hung_rank_ends_an_idle_sharded_server(folder):
+    """An idle rank 0 still sends an empty plan every second: with rank 1 stopped, rank 0
+    gives up at that message."""
+    run = Launch("serve", "--shard", "pipeline", "--model", folder, "--port", "0",
+                 "--num-draft-tokens", "3", "--dist-timeout", "3", timeout=120)
+    victim = None
+    try:
+        run.wait_for(r"at http://127\.0\.0\.1:\d+/v1", 90)
+        victim = run.rank_pid(1, b"serve")
+        os.kill(victim, signal.SIGSTOP)
+        _, stderr = run.finish(timeout=60)
+        assert run.proc.returncode == 1, stderr[-3000:]
+        assert re.search(r"error: rank 0 made no progress for 3 s at server step \d+", stderr), stderr[-3000:]
+        assert not _descendants(run.proc.pid)
+    finally:
+        if victim is not None:
+            try:
+                os.kill(victim, signal.SIGCONT)
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.kill()
+
+
 def test_a_rank_that_cannot_connect_ends_with_an_error(folder, tmp_path):
     """Rank 0 of 2 started alone, its peer's port unused: MLX's ring backend would retry
     forever; --dist-timeout ends it with an error."""
