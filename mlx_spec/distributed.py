@@ -49,6 +49,10 @@ DEFAULT_TIMEOUT = watchdog.DEFAULT_TIMEOUT
 STAGED = {"llama", "qwen3", "mistral"}
 
 
+class ConnectError(ValueError):
+    """This rank could not join the others (a ValueError: commands report it in one line)."""
+
+
 class DesyncError(RuntimeError):
     """Ranks about to run different target forwards (a bug, or ranks not running the same job)."""
 
@@ -91,12 +95,17 @@ def init(backend: str = "any", timeout: float | None = None):
     ring backend retries without a limit), then in any target forward; past it the rank
     ends with an error naming it and where it waited (None or 0: no limit)."""
     rank = os.environ.get("MLX_RANK")
-    if not timeout or rank is None:
-        return mx.distributed.init(strict=False, backend=backend)
     where = ("connecting to the other ranks (mx.distributed.init; check the hosts, ports and "
              "that every rank was started)")
-    with watchdog.outside(timeout, rank, where):  # init holds the interpreter lock
-        group = mx.distributed.init(strict=False, backend=backend)
+    try:
+        with watchdog.outside(timeout if rank is not None else None, rank, where):
+            group = mx.distributed.init(strict=False, backend=backend)  # holds the interpreter lock
+    except RuntimeError as e:  # e.g. "[ring] Couldn't bind socket": a port in use
+        raise ConnectError(f"rank {rank} could not join the other ranks: {e} (a port in use, "
+                           "e.g. by another launch? mlx-spec launch --starting-port picks "
+                           "others)") from e
+    if not timeout or rank is None:
+        return group
     watchdog.watch(timeout, group.rank())  # armed by the first forward: reading weights takes
     return group                           # as long as it takes
 

@@ -210,3 +210,22 @@ def test_a_rank_that_cannot_connect_ends_with_an_error(folder, tmp_path):
     assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]  # ended by the watching helper
     assert "error: rank 0 made no progress for 3 s at connecting to the other ranks" in done.stderr
     assert time.monotonic() - tic < 40
+
+
+def test_a_launch_on_a_port_in_use_ends_with_an_error(folder):
+    """mlx-spec launch whose first ring port is taken: rank 0 cannot listen, says so, and
+    the launch ends every rank at once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "mlx_spec", "launch", "-n", "2", "--starting-port", str(port),
+               "--timeout", "60", "--", "generate", "--shard", "pipeline", "--model", str(folder),
+               "--prompt", "w5 w6", "--ignore-chat-template", "--dist-timeout", "20"]
+        tic = time.monotonic()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=ENV)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "error: rank 0 could not join the other ranks: [ring] Couldn't bind socket" in done.stderr
+    assert "error: rank 0 ended with exit code 2" in done.stderr
+    assert time.monotonic() - tic < 40
+
