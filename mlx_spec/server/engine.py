@@ -32,25 +32,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .events import Failed, Finished, Job, Piece, Usage  # noqa: F401 (the engine's events)
+from .events import Failed, Finished, Job, Piece, Usage, drafter_kind, logprob  # noqa: F401
 from .link import Plan
 from .metrics import Metrics
 from .text import StopCutter
 
 log = logging.getLogger("mlx_spec.server")
-
-# Drafter classes -> the kind a request names in `draft`
-KINDS = {"NGramDrafter": "ngram", "DraftModelDrafter": "draft-model", "EagleDrafter": "eagle",
-         "MTPDrafter": "mtp", "DFlashDrafter": "dflash", "DSparkDrafter": "dspark",
-         "V4DSparkDrafter": "dspark"}
-
-
-def drafter_kind(drafter) -> str | None:
-    if drafter is None:
-        return None
-    name = type(drafter).__name__
-    return KINDS.get(name, name.removesuffix("Drafter").lower())
-
 
 class QueueFull(Exception):
     pass
@@ -311,7 +298,7 @@ class Engine:
                 reason = "stop" if run.cut.matched is not None else r.finish_reason
                 if r.finish_reason is not None and run.cut.matched is None:
                     text += run.cut.flush()
-                run.job.send(Piece(text, r.token, self._logprob(r, run.job.logprobs)))
+                run.job.send(Piece(text, r.token, logprob(self.tokenizer, r, run.job.logprobs)))
                 if reason is None and run.job.cancelled.is_set():
                     reason = "cancelled"
                 if reason is not None:
@@ -366,25 +353,6 @@ class Engine:
             job.send(Failed(error))
         if self.on_fatal is not None:
             self.on_fatal(error)
-
-    def _logprob(self, r, top: int | None):
-        """(token text, log-prob, top n) from the target's log-probabilities at this token."""
-        if top is None:
-            return None
-        import mlx.core as mx
-
-        lp = r.logprobs
-        best = []
-        if top > 0:
-            ids = mx.argpartition(-lp, kth=top - 1)[:top]
-            values = lp[ids]
-            order = mx.argsort(-values)
-            ids, values = ids[order].tolist(), values[order].tolist()
-            best = [(self._piece(i), v) for i, v in zip(ids, values)]
-        return self._piece(r.token), lp[r.token].item(), best
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
 
 
 def _materialize(model, drafter) -> None:

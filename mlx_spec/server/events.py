@@ -14,6 +14,19 @@ import uuid
 from dataclasses import dataclass, field
 
 
+# Drafter classes -> the kind a request names in `draft`
+KINDS = {"NGramDrafter": "ngram", "DraftModelDrafter": "draft-model", "EagleDrafter": "eagle",
+         "MTPDrafter": "mtp", "DFlashDrafter": "dflash", "DSparkDrafter": "dspark",
+         "V4DSparkDrafter": "dspark"}
+
+
+def drafter_kind(drafter) -> str | None:
+    if drafter is None:
+        return None
+    name = type(drafter).__name__
+    return KINDS.get(name, name.removesuffix("Drafter").lower())
+
+
 @dataclass
 class Piece:
     """One generated token: the text it releases (after stop strings) and its log-probs."""
@@ -21,6 +34,24 @@ class Piece:
     text: str
     token: int
     logprob: tuple | None = None  # (token text, log-prob, [(text, log-prob), ...] top n)
+
+
+def logprob(tokenizer, r, top: int | None):
+    """A `Piece`'s log-probs: (token text, log-prob, top n) from the target's log-probabilities
+    at response `r` (None when the request asked for none)."""
+    if top is None:
+        return None
+    import mlx.core as mx
+
+    lp = r.logprobs
+    best = []
+    if top > 0:
+        ids = mx.argpartition(-lp, kth=top - 1)[:top]
+        values = lp[ids]
+        order = mx.argsort(-values)
+        ids, values = ids[order].tolist(), values[order].tolist()
+        best = [(tokenizer.decode([i]), v) for i, v in zip(ids, values)]
+    return tokenizer.decode([r.token]), lp[r.token].item(), best
 
 
 @dataclass
