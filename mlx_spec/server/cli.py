@@ -6,6 +6,10 @@ SmolLM2-135M-Instruct, fetched on first use, drafting with prompt lookup).
 mean for `mlx-spec generate`. It prints the URL and the model id once it
 listens, and stops cleanly on Ctrl-C or SIGTERM. Needs the `server` extra
 (Starlette and uvicorn); docs/server.md has the endpoints and every field.
+
+With `--shard` (under `mlx-spec launch`), rank 0 serves and the other ranks run
+the same engine loop without HTTP, applying the plan rank 0 sends before each
+step; rank 0 closing ends them (server/link.py, docs/distributed.md).
 """
 
 from __future__ import annotations
