@@ -95,42 +95,44 @@ def unsharded(folder) -> list[str]:
     return [mlx_spec.generate(model, tok, p, None, max_tokens=N) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("mode", ["pipeline", "tensor"])
-def test_sharded_serve_matches_unsharded(folder, mode):
+# auto: the draft lengths are rank 0's, and the batch policy's curves are measured by all
+# ranks in the warm-up (a rank measuring alone, later, would run forwards the others do not)
+@pytest.mark.parametrize("mode,k", [("pipeline", "3"), ("tensor", "auto")])
+def test_sharded_serve_matches_unsharded(folder, mode, k):
     want = unsharded(folder)
     run = Launch("serve", "--shard", mode, "--model", folder, "--port", "0", "--draft", "ngram",
-                 "--num-draft-tokens", "3", "--max-batch", "2", "--dist-timeout", "60")
+                 "--num-draft-tokens", k, "--max-batch", "2", "--dist-timeout", "120", timeout=400)
     try:
-        port = int(run.wait_for(r"at http://127\.0\.0\.1:(\d+)/v1", 120).group(1))
+        port = int(run.wait_for(r"at http://127\.0\.0\.1:(\d+)/v1", 240).group(1))
         body = {"model": str(folder), "max_tokens": N, "temperature": 0}
         plain = {}
 
         def ask():  # decoded in one batch with the streamed request below
-            plain["r"] = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0]}, timeout=60)
+            plain["r"] = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0]}, timeout=120)
 
         asker = threading.Thread(target=ask)
         asker.start()
         conn, resp = open_stream(port, "/v1/completions", {**body, "prompt": PROMPTS[1], "stream": True},
-                                 timeout=60)
+                                 timeout=120)
         chunks = [json.loads(line[6:]) for line in resp.read().decode().splitlines()
                   if line.startswith("data: {")]
         conn.close()
-        asker.join(60)
+        asker.join(120)
         status, out = plain["r"]
         assert status == 200 and out["choices"][0]["text"] == want[0], out
         assert out["speculative"]["drafter"] == "ngram"
         assert "".join(c["choices"][0]["text"] for c in chunks) == want[1]
         # The prompt cache (each rank holds its own layers' part), sampling with a seed rank 0
         # draws, and logits processors rebuilt on rank 1: ranks stay in step (sync check on).
-        status, again = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0] + [3]}, timeout=60)
+        status, again = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0] + [3]}, timeout=120)
         assert status == 200 and again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         status, sampled = post(port, "/v1/completions", {**body, "prompt": PROMPTS[1], "temperature": 1.0,
-                                                         "logit_bias": {"26": -5}}, timeout=60)
+                                                         "logit_bias": {"26": -5}}, timeout=120)
         assert status == 200 and sampled["usage"]["completion_tokens"] > 0, sampled
-        status, out = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0]}, timeout=60)
+        status, out = post(port, "/v1/completions", {**body, "prompt": PROMPTS[0]}, timeout=120)
         assert status == 200 and out["choices"][0]["text"] == want[0]
         os.kill(run.rank_pid(0, b"serve"), signal.SIGTERM)  # shutting rank 0 down ends every rank
-        stdout, stderr = run.finish(timeout=40)
+        stdout, stderr = run.finish(timeout=90)
         assert run.proc.returncode == 0, stderr[-3000:]
         assert "mlx-spec serve: stopped" in stdout
         assert f"{mode} parallel over 2 ranks" in stderr
@@ -144,10 +146,10 @@ def test_a_hung_rank_ends_the_launch(folder):
     --dist-timeout naming itself and the forward; the launch ends every rank."""
     run = Launch("generate", "--shard", "pipeline", "--model", folder, "--prompt", "w5 w6 w7 w8 w5 w6",
                  "--ignore-chat-template", "--verbose", "False", "--max-tokens", "1000000",
-                 "--num-draft-tokens", "2", "--dist-timeout", "4", timeout=120)
+                 "--num-draft-tokens", "2", "--dist-timeout", "4", timeout=300)
     victim = None
     try:
-        run.wait_for(r"w\d+ w\d+ w\d+", 90)  # decoding
+        run.wait_for(r"w\d+ w\d+ w\d+", 180)  # decoding
         victim = run.rank_pid(1, b"generate")
         os.kill(victim, signal.SIGSTOP)
         tic = time.monotonic()
@@ -156,7 +158,7 @@ def test_a_hung_rank_ends_the_launch(folder):
         assert run.proc.returncode == 1, stderr[-3000:]
         assert re.search(r"error: rank 0 made no progress for 4 s at target forward \d+", stderr), stderr[-3000:]
         assert "error: rank 0 ended with exit code 1" in stderr
-        assert took < 4 + 10 + 20  # the limit, launch's grace for the stopped rank, slack
+        assert took < 4 + 10 + 40  # the limit, launch's grace for the stopped rank, slack
         assert not _descendants(run.proc.pid)
     finally:
         if victim is not None:
@@ -172,10 +174,10 @@ def test_a_hung_rank_ends_an_idle_sharded_server(folder):
     """An idle rank 0 still sends an empty plan every second: with rank 1 stopped, rank 0
     gives up at that message."""
     run = Launch("serve", "--shard", "pipeline", "--model", folder, "--port", "0",
-                 "--num-draft-tokens", "3", "--dist-timeout", "3", timeout=120)
+                 "--num-draft-tokens", "3", "--dist-timeout", "3", timeout=300)
     victim = None
     try:
-        run.wait_for(r"at http://127\.0\.0\.1:\d+/v1", 90)
+        run.wait_for(r"at http://127\.0\.0\.1:\d+/v1", 180)
         victim = run.rank_pid(1, b"serve")
         os.kill(victim, signal.SIGSTOP)
         _, stderr = run.finish(timeout=60)
@@ -205,11 +207,11 @@ def test_a_rank_that_cannot_connect_ends_with_an_error(folder, tmp_path):
     cmd = [sys.executable, "-m", "mlx_spec", "generate", "--shard", "pipeline", "--model", str(folder),
            "--prompt", "w5 w6", "--ignore-chat-template", "--dist-timeout", "3"]
     tic = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
                           env={**ENV, "MLX_RANK": "0", "MLX_HOSTFILE": str(hosts)})
     assert done.returncode == -signal.SIGTERM, done.stderr[-3000:]  # ended by the watching helper
     assert "error: rank 0 made no progress for 3 s at connecting to the other ranks" in done.stderr
-    assert time.monotonic() - tic < 40
+    assert time.monotonic() - tic < 90  # imports and loading, then 3 s
 
 
 def test_a_launch_on_a_port_in_use_ends_with_an_error(folder):
@@ -220,12 +222,12 @@ def test_a_launch_on_a_port_in_use_ends_with_an_error(folder):
         taken.listen(1)
         port = taken.getsockname()[1]
         cmd = [sys.executable, "-m", "mlx_spec", "launch", "-n", "2", "--starting-port", str(port),
-               "--timeout", "60", "--", "generate", "--shard", "pipeline", "--model", str(folder),
+               "--timeout", "100", "--", "generate", "--shard", "pipeline", "--model", str(folder),
                "--prompt", "w5 w6", "--ignore-chat-template", "--dist-timeout", "20"]
         tic = time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=90, env=ENV)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=ENV)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "error: rank 0 could not join the other ranks: [ring] Couldn't bind socket" in done.stderr
     assert "error: rank 0 ended with exit code 2" in done.stderr
-    assert time.monotonic() - tic < 40
+    assert time.monotonic() - tic < 90  # before loading anything
 

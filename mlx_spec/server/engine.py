@@ -170,6 +170,13 @@ class Engine:
             verify_seconds(self.model)
             if getattr(self.drafter, "model", None) is not None:
                 verify_seconds(self.drafter.model, n_max=1)
+        if self.link is not None and self.drafter is not None and self.max_batch > 1:
+            # The batch policy reads this curve when its timings say so, which differs between
+            # ranks; every forward must run on every rank, so all ranks measure it now.
+            from ..batch_policy import wide_verify_seconds
+
+            verify_seconds(self.model)
+            wide_verify_seconds(self.model)
 
     def _loop(self) -> None:
         self._warm_error = None
