@@ -131,7 +131,7 @@ def _serve(args) -> int:
         error = engine.wait()  # mirrors rank 0's steps until rank 0 closes
         if error is not None:
             print(f"error: rank {link.rank}: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1 if error is not None else 0
+        _leave(1 if error is not None else 0)
     host = f"[{args.host}]" if ":" in args.host else args.host
 
     def ready(port: int) -> None:
@@ -150,6 +150,22 @@ def _serve(args) -> int:
     if engine.fatal is not None:
         print(f"error: the engine stopped ({type(engine.fatal).__name__}: {engine.fatal}); "
               "the server shut down", file=sys.stderr)
-        return 1
-    print("mlx-spec serve: stopped", flush=True)
-    return 0 if server.started else 1
+        code = 1
+    else:
+        print("mlx-spec serve: stopped", flush=True)
+        code = 0 if server.started else 1
+    if link is not None:
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """End a sharded server's rank now that its work is done. Leaving through the interpreter's
+    normal exit, a rank sometimes died of SIGABRT in native teardown ("terminate called
+    without an active exception"; MLX 0.32.4 ring backend, its engine thread's streams),
+    which the launcher reports as a failed rank."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

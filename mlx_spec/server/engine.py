@@ -188,10 +188,10 @@ class Engine:
             return
         finally:
             self._warm.set()
-        from ..batch import BatchDecoder
-
         import mlx.core as mx
         from mlx_lm.generate import generation_stream
+
+        from ..batch import BatchDecoder
 
         self.decoder = BatchDecoder(self.model, self.tokenizer, max_batch=self.max_batch)
         try:
