@@ -65,10 +65,12 @@ class BatchDecoder:
         return bool(self.waiting or self.active)
 
     def add(self, prompt, drafter=None, *, draft_model=None, prompt_cache: list | None = None,
-            **options) -> int:
+            rng_seed: int | None = None, **options) -> int:
         """Queue a request; returns its uid. Arguments as `stream_generate`'s, checked here
         (bad input raises before any model work). `drafter` is used by this request alone
-        until it is released (`mlx_spec.InUseError` otherwise)."""
+        until it is released (`mlx_spec.InUseError` otherwise). `rng_seed`: the random
+        stream of a request without `seed` (drawn at random otherwise), for callers that
+        must draw the same tokens elsewhere (the ranks of a sharded server)."""
         refuse_unsupported({k: v for k, v in options.items() if k not in OPTIONS})
         req = make_request(self.model, self.tokenizer, prompt, **options)
         drafter = resolve_drafter(drafter, draft_model, CLAIMS)
@@ -84,6 +86,8 @@ class BatchDecoder:
             drafter.bind(self.model, self.tokenizer)  # checks the pair and resets it
         uid = next(self._uids)
         row = Row(uid, self.model, self.tokenizer, req, drafter, cache, prompt_cache)
+        if req.seed is None and rng_seed is not None:
+            row.seed = rng_seed
         row.claimed = [obj for obj, _ in claimed]
         for obj in row.claimed:
             CLAIMS.take(obj, row)

@@ -27,12 +27,24 @@ PROBE_BATCH = 8  # parked batch steps before a 1-token probe
 def wide_verify_seconds(model) -> list[float]:
     """Seconds of forwards over `WIDE` tokens: the cost of a batch's verify, B rows x T tokens,
     is taken to be that of one row of B * T tokens (the matmuls dominate). Cached as the curve."""
+    from .distributed import agreed_curve
+
     key = model_key(model) + ":wide"
-    times = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
-    if times is None or len(times) != len(WIDE):
+    known = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
+    known = known if known is not None and len(known) == len(WIDE) else None
+
+    def measure() -> list[float]:
         log.info("calibrating batched verify costs of this model (once per model and device)")
         every = measure_verify_seconds(model, WIDE[-1], repeats=1)
-        times = [every[w - 1] for w in WIDE]
+        return [every[w - 1] for w in WIDE]
+
+    if key in _CURVES:
+        return _CURVES[key]
+    # A sharded target's ranks measure together and take rank 0's curve. They must all get
+    # here at the same step: a sharded server calls this in its warm-up (engine.py), since
+    # later calls depend on each rank's own timings.
+    times = agreed_curve(model, known, measure)
+    if times is not known:
         _write_curve(cache_dir() / f"{key}.json", times)
     _CURVES[key] = times
     return times

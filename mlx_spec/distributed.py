@@ -24,7 +24,10 @@ curve. With `MLX_SPEC_CHECK_SYNC=1` every target forward first compares a
 fingerprint of its input tokens across the ranks and raises `DesyncError`
 naming the rank and forward, instead of hanging on mismatched messages.
 `MLX_SPEC_LINK_LATENCY_MS` adds a sleep before each message this module puts in
-a forward (see docs/distributed.md: a simulated slow link).
+a forward (see docs/distributed.md: a simulated slow link). With a timeout
+(`init(timeout=...)`, `--dist-timeout`), a rank that waits longer than that
+for the others, connecting or in a forward, ends with an error naming itself
+and the forward (`mlx_spec.watchdog`).
 """
 
 from __future__ import annotations
@@ -35,13 +38,19 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import watchdog
 from .taps import SeeThrough, decoder_stack
 
 CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
 LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
 MODES = ("pipeline", "tensor")
+DEFAULT_TIMEOUT = watchdog.DEFAULT_TIMEOUT
 # Families whose inner model is "embed_tokens -> layers -> norm" with one cache per layer.
 STAGED = {"llama", "qwen3", "mistral"}
+
+
+class ConnectError(ValueError):
+    """This rank could not join the others (a ValueError: commands report it in one line)."""
 
 
 class DesyncError(RuntimeError):
@@ -79,9 +88,26 @@ class LinkStats:
             time.sleep(self.latency)
 
 
-def init(backend: str = "any"):
-    """This process's group (size 1 when not started by `mlx.launch`)."""
-    return mx.distributed.init(strict=False, backend=backend)
+def init(backend: str = "any", timeout: float | None = None):
+    """This process's group (size 1 when not started by `mlx.launch`).
+
+    `timeout`: seconds this rank may wait for the others, first while connecting (MLX's
+    ring backend retries without a limit), then in any target forward; past it the rank
+    ends with an error naming it and where it waited (None or 0: no limit)."""
+    rank = os.environ.get("MLX_RANK")
+    where = ("connecting to the other ranks (mx.distributed.init; check the hosts, ports and "
+             "that every rank was started)")
+    try:
+        with watchdog.outside(timeout if rank is not None else None, rank, where):
+            group = mx.distributed.init(strict=False, backend=backend)  # holds the interpreter lock
+    except RuntimeError as e:  # e.g. "[ring] Couldn't bind socket": a port in use
+        raise ConnectError(f"rank {rank} could not join the other ranks: {e} (a port in use, "
+                           "e.g. by another launch? mlx-spec launch --starting-port picks "
+                           "others)") from e
+    if not timeout or rank is None:
+        return group
+    watchdog.watch(timeout, group.rank())  # armed by the first forward: reading weights takes
+    return group                           # as long as it takes
 
 
 def shard_of(model) -> Shard | None:
@@ -139,9 +165,9 @@ def shard_model(model, mode: str, group) -> Shard:
         raise ValueError(f"--shard must be one of {', '.join(MODES)}, got {mode!r}")
     shard = Shard(group, mode, span, total, stats)
     object.__setattr__(model, "_mlx_spec_shard", shard)  # a plain attribute, not a parameter
-    if os.environ.get(CHECK_ENV, "") not in ("", "0"):
-        stack = decoder_stack(model)
-        stack.embed_tokens = _Checked(stack.embed_tokens, shard)
+    stack = decoder_stack(model)  # counts forwards (watchdog); checks them in debug mode
+    stack.embed_tokens = _Forward(stack.embed_tokens, shard,
+                                  os.environ.get(CHECK_ENV, "") not in ("", "0"))
     return shard
 
 
@@ -217,17 +243,21 @@ class _SendOn(SeeThrough):
         return mx.distributed.all_sum(out, group=group)  # the last stage's h, on every rank
 
 
-class _Checked(SeeThrough):
-    """The embedding, checking first that every rank feeds the same tokens (debug)."""
+class _Forward(SeeThrough):
+    """The embedding: each target forward starts here. Tells the watchdog, and with `check`
+    first makes sure every rank feeds the same tokens (debug)."""
 
-    def __init__(self, inner, shard: Shard):
+    def __init__(self, inner, shard: Shard, check: bool):
         super().__init__(inner)
-        self._shard = shard
+        self._shard, self._check = shard, check
         self._forwards = 0
 
     def __call__(self, ids):
         self._forwards += 1
-        check_same(self._shard.group, fingerprint(ids, self._forwards), f"target forward {self._forwards}")
+        where = f"target forward {self._forwards}"
+        watchdog.beat(where)
+        if self._check:
+            check_same(self._shard.group, fingerprint(ids, self._forwards), where)
         return self.inner(ids)
 
 

@@ -66,6 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
                    help="split the target over the ranks of `mlx-spec launch` / mlx.launch: "
                    "consecutive layers per rank, or every layer's matrices (rank 0 prints)")
+    add_dist_timeout(p)
     p.add_argument("--verbose", nargs="?", const=True, default=None, type=_bool, metavar="True|False",
                    help="False: print only the generated text. True or the bare flag: also "
                    "acceptance per draft position, and tracebacks on errors")
@@ -177,7 +178,7 @@ def _generate(args, prompt: str) -> int:
     log.addHandler(logging.StreamHandler(sys.stderr))
     model_path = resolve_model(args.model)
     if args.shard is not None:
-        model, tokenizer = _load_sharded(model_path, args.shard, log)
+        model, tokenizer = _load_sharded(model_path, args.shard, log, args.dist_timeout)
     else:
         model, tokenizer = mlx_spec.load(model_path)
     for token in args.extra_eos_token:
@@ -223,13 +224,22 @@ def _compare(model, tokenizer, ids, drafter, options, first) -> None:
           f"{spec / plain:.2f}x ({same}; plain, speculative, plain, speculative interleaved)")
 
 
-def _load_sharded(model_path: str, mode: str, log):
+def add_dist_timeout(p: argparse.ArgumentParser) -> None:
+    from .watchdog import DEFAULT_TIMEOUT
+
+    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                   help="with --shard: a rank that waits this long for the others (connecting, "
+                   f"or in a forward) ends with an error naming it (default {DEFAULT_TIMEOUT:g}; "
+                   "0: wait forever)")
+
+
+def _load_sharded(model_path: str, mode: str, log, timeout: float | None = None):
     """This rank's part of the target; ranks other than 0 print nothing on stdout."""
     import os
 
     from . import distributed
 
-    group = distributed.init()
+    group = distributed.init(timeout=timeout)
     model, tokenizer = distributed.load(model_path, mode, group)
     layout = distributed.describe(model)  # every rank takes part
     if group.rank() != 0:

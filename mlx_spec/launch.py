@@ -6,8 +6,10 @@ starts `mlx.launch` with this Python running `-m mlx_spec generate ...` on every
 rank (two local ranks here; `--hosts`/`--hostfile` for several Macs, where the
 same Python path and mlx-spec must exist on each). `mlx.launch` ends the other
 ranks when one fails but exits 0 even then (MLX 0.32.4); this command reads
-its per-rank exit notes and exits 1 naming the rank, and with `--timeout` ends
-every process it started (their process group) when the time is up.
+its per-rank exit notes and exits 1 naming the rank. When a rank has failed and
+the others are still there `GRACE` seconds later (a stopped process does not
+take mlx.launch's SIGTERM), it ends every process it started (their process
+group), as it does with `--timeout` when the time is up.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
-RUNNABLE = ("generate", "bench")  # commands that know --shard (serve: not yet)
+RUNNABLE = ("generate", "bench", "serve")  # commands that know --shard
+GRACE = 10.0  # seconds the other ranks get to end after one failed
 FAILED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
 
@@ -74,12 +78,11 @@ def run(args: argparse.Namespace) -> int:
     reader = threading.Thread(target=_relay, args=(proc.stderr, failed), daemon=True)
     reader.start()
     try:
-        rc = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        stop(proc)
-        print(f"error: the ranks did not finish within {args.timeout:g} s; stopped all of them "
-              "(a rank that cannot connect or a lost peer can block the others)", file=sys.stderr)
-        return 124
+        rc = _wait(proc, args.timeout, failed)
+        if rc is None:
+            print(f"error: the ranks did not finish within {args.timeout:g} s; stopped all of them "
+                  "(a rank that cannot connect or a lost peer can block the others)", file=sys.stderr)
+            return 124
     except KeyboardInterrupt:
         stop(proc)
         raise
@@ -94,6 +97,29 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
+def _wait(proc: subprocess.Popen, timeout: float | None, failed: list) -> int | None:
+    """mlx.launch's exit code; None when `timeout` ran out (every rank stopped then). Once a
+    rank has failed, the others get `GRACE` seconds to end before they are stopped."""
+    end = None if timeout is None else time.monotonic() + timeout
+    grace = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if grace is None and any(code != 0 for _, code in failed):
+            grace = now + GRACE
+        if grace is not None and now > grace:
+            print(f"mlx-spec launch: ranks still running {GRACE:g} s after one failed; "
+                  "stopping them", file=sys.stderr)
+            stop(proc)
+            return proc.returncode if proc.returncode is not None else 1
+        if end is not None and now > end:
+            stop(proc)
+            return None
+
+
 def _relay(stream, failed: list) -> None:
     for line in stream:
         sys.stderr.write(line)
@@ -103,7 +129,8 @@ def _relay(stream, failed: list) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """End mlx.launch and every rank it started (one process group)."""
+    """End mlx.launch and every rank it started (one process group): SIGTERM, then SIGKILL
+    for whatever is left in the group (a stopped rank keeps a SIGTERM pending)."""
     for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
@@ -111,6 +138,5 @@ def stop(proc: subprocess.Popen) -> None:
             return
         try:
             proc.wait(timeout=wait)
-            return
         except subprocess.TimeoutExpired:
             continue

@@ -176,8 +176,9 @@ class PromptCacheStore:
     def nbytes(self) -> int:
         return sum(e[2] for e in self._entries)
 
-    def fetch(self, tokens: Sequence[int]) -> tuple[list, int]:
-        """(cache, n): a private cache holding `tokens[:n]`, n < len(tokens) (0: a fresh cache).
+    def fetch(self, tokens: Sequence[int], limit: int | None = None) -> tuple[list, int]:
+        """(cache, n): a private cache holding `tokens[:n]`, n < len(tokens) (0: a fresh cache),
+        and n <= `limit` when given.
 
         Feed `tokens[n:]` as the prompt with this cache. The entry sharing the
         longest prefix is copied and trimmed back to the shared part; an entry
@@ -187,7 +188,7 @@ class PromptCacheStore:
         tokens = tuple(tokens)
         ranked = sorted(((_common(e[0], tokens), i) for i, e in enumerate(self._entries)), reverse=True)
         for shared, i in ranked:
-            n = min(shared, len(tokens) - 1)
+            n = min(shared, len(tokens) - 1, len(tokens) if limit is None else limit)
             if n <= 0:
                 break
             held, cache, _ = self._entries[i]

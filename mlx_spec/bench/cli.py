@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..generate_cli import add_dist_timeout
+
 DEFAULTS = {  # sized so the default run on SmolLM2-135M takes a few minutes on a CPU
     "model": "smollm2-135m-instruct",
     "methods": "baseline,mlx-spec,mlx-lm-draft,ngram,draft",
@@ -50,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--claims", action="store_true", help="print published claims next to the measurements")
     p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
                    help="split the target over the ranks of `mlx-spec launch` (rank 0 reports)")
+    add_dist_timeout(p)
     p.add_argument("--load", metavar="JSON", help="rebuild the report from a saved results.json; no run")
 
 
@@ -136,7 +139,7 @@ def _measure(args) -> dict | None:
     if args.shard is not None:
         from .. import distributed
 
-        group = distributed.init()
+        group = distributed.init(timeout=args.dist_timeout)
         model, tokenizer = distributed.load(resolve_model(args.model, args.dtype), args.shard, group)
         layout, rank = distributed.describe(model), group.rank()
         say = (lambda msg: None) if rank else say  # noqa: E731

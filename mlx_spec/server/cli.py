@@ -6,6 +6,10 @@ SmolLM2-135M-Instruct, fetched on first use, drafting with prompt lookup).
 mean for `mlx-spec generate`. It prints the URL and the model id once it
 listens, and stops cleanly on Ctrl-C or SIGTERM. Needs the `server` extra
 (Starlette and uvicorn); docs/server.md has the endpoints and every field.
+
+With `--shard` (under `mlx-spec launch`), rank 0 serves and the other ranks run
+the same engine loop without HTTP, applying the plan rank 0 sends before each
+step; rank 0 closing ends them (server/link.py, docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import argparse
 import importlib.util
 import sys
 
-from ..generate_cli import DEFAULT_MODEL, _k
+from ..generate_cli import DEFAULT_MODEL, _k, add_dist_timeout
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -43,6 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-cache-bytes", type=_size, default=1 << 30,
                    help="memory for cached conversations, e.g. 512M or 4G; 0 turns the cache off "
                    "(default: 1G)")
+    p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
+                   help="split the target over the ranks of `mlx-spec launch` / mlx.launch; rank 0 "
+                   "serves HTTP and the others decode with it, step by step")
+    add_dist_timeout(p)
     p.add_argument("--verbose", action="store_true", help="log every request, and tracebacks")
 
 
@@ -78,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         print("error: --max-batch must be 1 or more", file=sys.stderr)
         return 2
+    if args.shard and args.branches > 1:  # auto's tree-or-chain choice is timed on each rank
+        print("error: --branches > 1 (draft trees) is not supported with --shard yet", file=sys.stderr)
+        return 2
     try:
         return _serve(args)
     except (ValueError, FileNotFoundError) as e:
@@ -99,11 +110,28 @@ def _serve(args) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("mlx_spec").setLevel(logging.INFO)  # progress notes such as calibration
     model_path = resolve_model(args.model)
-    model, tokenizer = mlx_spec.load(model_path)
+    link = None
+    if args.shard is not None:
+        from .. import distributed
+        from ..generate_cli import _load_sharded
+        from .link import Link
+
+        model, tokenizer = _load_sharded(model_path, args.shard, logging.getLogger("mlx_spec"),
+                                         args.dist_timeout)
+        link = Link(distributed.shard_of(model).group)
+    else:
+        model, tokenizer = mlx_spec.load(model_path)
     drafter = make_drafter(args, model, model_path)
+    stop = []  # set when the engine loop dies (a lost rank): the server then shuts down
     engine = Engine(model, tokenizer, drafter, model_id=args.model, num_draft_tokens=args.num_draft_tokens,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
-                    max_batch=args.max_batch).start()
+                    max_batch=args.max_batch, link=link,
+                    on_fatal=lambda e: [setattr(s, "should_exit", True) for s in stop]).start()
+    if link is not None and not link.leader:
+        error = engine.wait()  # mirrors rank 0's steps until rank 0 closes
+        if error is not None:
+            print(f"error: rank {link.rank}: {type(error).__name__}: {error}", file=sys.stderr)
+        _leave(1 if error is not None else 0)
     host = f"[{args.host}]" if ":" in args.host else args.host
 
     def ready(port: int) -> None:
@@ -112,11 +140,32 @@ def _serve(args) -> int:
 
     server = Server(create_app(engine, api_key=args.api_key), engine, args.host, args.port,
                     on_ready=ready, log_level="info" if args.verbose else "warning")
+    stop.append(server)
     # uvicorn handles Ctrl-C and SIGTERM itself, then raises them again once it has shut down;
     # these handlers take that second signal, so the command ends here with exit code 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     server.run()
     engine.close()
-    print("mlx-spec serve: stopped", flush=True)
-    return 0 if server.started else 1
+    if engine.fatal is not None:
+        print(f"error: the engine stopped ({type(engine.fatal).__name__}: {engine.fatal}); "
+              "the server shut down", file=sys.stderr)
+        code = 1
+    else:
+        print("mlx-spec serve: stopped", flush=True)
+        code = 0 if server.started else 1
+    if link is not None:
+        _leave(code)
+    return code
+
+
+def _leave(code: int) -> None:
+    """End a sharded server's rank now that its work is done. Leaving through the interpreter's
+    normal exit, a rank sometimes died of SIGABRT in native teardown ("terminate called
+    without an active exception"; MLX 0.32.4 ring backend, its engine thread's streams),
+    which the launcher reports as a failed rank."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -11,6 +11,13 @@ token being handled: the generator only runs the next decode step when asked,
 so that is within one step. Closing the generator leaves the cache holding the
 prompt and the tokens handed out, and it goes back to the store.
 
+Each turn of the engine loop (`_round`) first applies a `Plan` (rows that end,
+with how many tokens of their last block the client saw; jobs that join; closing),
+then runs one decode step. On a target sharded over several ranks the same loop
+runs on every rank: rank 0 makes the plan and sends it before each step
+(`link.Link`), the others apply what they receive, so every rank runs the same
+forwards in the same order; rank 0 alone turns tokens into text and answers.
+
 Per-request figures (`Usage`) are added to the server's counters (`Metrics`)
 before the client hears that its request finished, so `/metrics` totals always
 equal the sums of what clients were told.
@@ -18,31 +25,19 @@ equal the sums of what clients were told.
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import secrets
 import threading
 import time
-import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from .events import Failed, Finished, Job, Piece, Usage, drafter_kind, logprob  # noqa: F401
+from .link import Plan
 from .metrics import Metrics
 from .text import StopCutter
 
 log = logging.getLogger("mlx_spec.server")
-
-# Drafter classes -> the kind a request names in `draft`
-KINDS = {"NGramDrafter": "ngram", "DraftModelDrafter": "draft-model", "EagleDrafter": "eagle",
-         "MTPDrafter": "mtp", "DFlashDrafter": "dflash", "DSparkDrafter": "dspark",
-         "V4DSparkDrafter": "dspark"}
-
-
-def drafter_kind(drafter) -> str | None:
-    if drafter is None:
-        return None
-    name = type(drafter).__name__
-    return KINDS.get(name, name.removesuffix("Drafter").lower())
-
 
 class QueueFull(Exception):
     pass
@@ -50,110 +45,6 @@ class QueueFull(Exception):
 
 class _Cancelled(Exception):
     """Raised from the prefill's progress callback when the client has left."""
-
-
-@dataclass
-class Piece:
-    """One generated token: the text it releases (after stop strings) and its log-probs."""
-
-    text: str
-    token: int
-    logprob: tuple | None = None  # (token text, log-prob, [(text, log-prob), ...] top n)
-
-
-@dataclass
-class Usage:
-    """What one request cost: tokens, times, and the speculation statistics."""
-
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    prompt_seconds: float
-    decode_seconds: float
-    drafter: str | None  # the kind that ran, None for plain decoding
-    num_draft_tokens: int | str
-    stats: object = None  # mlx_spec.SpecStats
-
-    def usage(self) -> dict:
-        """OpenAI's `usage`."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
-
-    def timings(self) -> dict:
-        """llama.cpp server's `timings`; `draft_n` and `draft_n_accepted` when a drafter ran."""
-        prompt_n = self.prompt_tokens - self.cached_tokens
-        out = {"cache_n": self.cached_tokens, "prompt_n": prompt_n}
-        out.update(_rate("prompt", prompt_n, self.prompt_seconds))
-        out["predicted_n"] = self.completion_tokens
-        out.update(_rate("predicted", self.completion_tokens, self.decode_seconds))
-        if self.drafter is not None and self.stats is not None:
-            out["draft_n"] = self.stats.drafted
-            out["draft_n_accepted"] = self.stats.accepted
-        return out
-
-    def speculative(self) -> dict:
-        """mlx-spec's own per-request statistics."""
-        s = self.stats
-        return {
-            "drafter": self.drafter or "none",
-            "num_draft_tokens": self.num_draft_tokens if self.drafter else None,
-            "target_forwards": s.target_forwards if s else 0,
-            "drafts": s.drafts if s else 0,
-            "drafted": s.drafted if s else 0,
-            "accepted": s.accepted if s else 0,
-            "tau": round(s.tau, 4) if s else 0.0,
-            "acceptance_rate": round(s.acceptance_rate, 4) if s else 0.0,
-            "accepted_per_position": [round(a, 4) for a in s.accepted_per_position] if s else [],
-            "accepted_at_position": s.accepted_at_position if s else [],
-            "chosen_k": list(s.chosen_k) if s else [],
-        }
-
-
-def _rate(name: str, n: int, seconds: float) -> dict:
-    ms = 1000 * seconds
-    return {f"{name}_ms": round(ms, 3), f"{name}_per_token_ms": round(ms / n, 3) if n else 0.0,
-            f"{name}_per_second": round(n / seconds, 3) if seconds > 0 else 0.0}
-
-
-@dataclass
-class Finished:
-    reason: str  # "stop" (EOS or a stop string), "length", or "cancelled"
-    usage: Usage
-    stop_sequence: str | None = None  # the stop string that ended the text
-
-
-@dataclass
-class Failed:
-    error: BaseException
-
-
-@dataclass(eq=False)
-class Job:
-    """One request for the engine, and the channel its results come back on."""
-
-    prompt: list[int]
-    options: dict  # stream_generate keywords
-    use_drafter: bool = True
-    stops: tuple[str, ...] = ()
-    logprobs: int | None = None  # None: no log-probs; n: the chosen token's and the top n
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self):
-        self.loop = asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.done = False  # the engine sent its last event
-
-    def send(self, event) -> None:
-        """From the engine thread: hand `event` to the waiting handler."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shutting down)
-            self.cancelled.set()
-
-    async def next(self):
-        return await self.events.get()
 
 
 @dataclass
@@ -175,7 +66,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, drafter=None, *, model_id: str = "model",
                  num_draft_tokens="auto", max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
-                 max_batch: int = 4):
+                 max_batch: int = 4, link=None, on_fatal=None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         from ..drafters.base import vocab_size
@@ -199,6 +90,10 @@ class Engine:
         self._runs: dict[int, Run] = {}  # decoder uid -> run (engine thread only)
         self._cond = threading.Condition()
         self._closing = False
+        self._ending: list[tuple] = []  # (uid, reason, error, seen): rows to end before the next step
+        # A sharded target: rank 0 serves HTTP and sends each step's plan; the others mirror it.
+        self.link, self.leader = link, link is None or link.leader
+        self.on_fatal, self.fatal = on_fatal, None  # what stopped the loop, if anything did
         self._thread = threading.Thread(target=self._loop, name="mlx-spec-engine", daemon=True)
 
     # ---- the event loop's side --------------------------------------------------------------
@@ -252,12 +147,17 @@ class Engine:
         """Cancel every job and stop the engine thread."""
         with self._cond:
             self._closing = True
-            jobs = list(self._waiting) + [r.job for r in list(self._runs.values())]
+            jobs = list(self._waiting) + [r.job for r in list(self._runs.values()) if r.job]
             self._cond.notify_all()
         for job in jobs:
             self.cancel(job)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def wait(self) -> BaseException | None:
+        """On a rank other than 0: mirror rank 0 until it closes; what stopped it, if anything."""
+        self._thread.join()
+        return self.fatal
 
     # ---- the engine thread ------------------------------------------------------------------
 
@@ -270,6 +170,13 @@ class Engine:
             verify_seconds(self.model)
             if getattr(self.drafter, "model", None) is not None:
                 verify_seconds(self.drafter.model, n_max=1)
+        if self.link is not None and self.drafter is not None and self.max_batch > 1:
+            # The batch policy reads this curve when its timings say so, which differs between
+            # ranks; every forward must run on every rank, so all ranks measure it now.
+            from ..batch_policy import wide_verify_seconds
+
+            verify_seconds(self.model)
+            wide_verify_seconds(self.model)
 
     def _loop(self) -> None:
         self._warm_error = None
@@ -281,53 +188,112 @@ class Engine:
             return
         finally:
             self._warm.set()
+        import mlx.core as mx
+        from mlx_lm.generate import generation_stream
+
         from ..batch import BatchDecoder
 
         self.decoder = BatchDecoder(self.model, self.tokenizer, max_batch=self.max_batch)
-        while True:
-            with self._cond:
-                while not self._waiting and not self._runs and not self._closing:
-                    self._cond.wait()
-                if self._closing:
-                    for uid in list(self._runs):
-                        self._end(uid, "cancelled")
-                    return
-                while self._waiting and len(self._runs) < self.max_batch:
-                    self._admit(self._waiting.popleft())
-            self._step()
+        try:
+            # Every array this thread makes goes to the decoder's stream. (Arrays made here
+            # outside it, a logit_bias a sharded rank rebuilt, ended the process with
+            # "terminate called without an active exception" at exit, MLX 0.32.4, CPU.)
+            with mx.stream(generation_stream):
+                while self._round():
+                    pass
+        except BaseException as e:  # a sharded rank out of step, a lost peer, or a bug
+            self._die(e)
 
-    def _admit(self, job: Job) -> None:
-        """A queued job becomes a row of the decoder (prompt cache fetched, drafter forked)."""
-        cache, cached = self.store.fetch(job.prompt)
+    def _round(self) -> bool:
+        """One turn, the same on every rank: rank 0's plan, applied, then one decode step.
+        False once the server closes."""
+        plan = self._plan() if self.leader else Plan()
+        if self.link is not None:
+            wire = self.link.exchange(plan.wire() if self.leader else None)
+            if not self.leader:
+                plan = Plan.from_wire(wire)
+        for end in plan.ends:
+            self._end(*end)
+        for admit in plan.admits:
+            self._admit(*admit)
+        if plan.closing:
+            for uid in list(self._runs):
+                self._end(uid, "cancelled")
+            return False
+        if self.decoder.busy:
+            self._step()
+        return True
+
+    def _plan(self) -> Plan:
+        """Rank 0's decisions for the next step: rows that end, jobs that join, closing."""
+        from .link import HEARTBEAT, admit_message
+
+        with self._cond:
+            while not (self._waiting or self._runs or self._closing or self._ending):
+                if not self._cond.wait(HEARTBEAT if self.link is not None else None):
+                    break  # an empty plan: the other ranks hear that rank 0 is alive
+            plan = Plan(self._ending, [], self._closing)
+            self._ending = []
+            ending = {e[0] for e in plan.ends}
+            plan.ends += [(uid, "cancelled", None, None) for uid, run in self._runs.items()
+                          if uid not in ending and run.job.cancelled.is_set() and run.n == 0]
+            room = self.max_batch - len(self._runs) + len(plan.ends)
+            while self._waiting and len(plan.admits) < room and not plan.closing:
+                job = self._waiting.popleft()
+                admit = (job, job.prompt, job.options, job.use_drafter, secrets.randbits(62))
+                if self.link is not None:
+                    try:
+                        plan.messages.append(admit_message(job, admit[-1]))
+                    except ValueError as e:
+                        self._refuse(job, e)
+                        continue
+                plan.admits.append(admit)
+        return plan
+
+    def _admit(self, job: Job | None, prompt: list, options: dict, use_drafter: bool, seed: int) -> None:
+        """A job becomes a row of the decoder (prompt cache fetched, drafter forked). `job` is
+        None on the other ranks of a sharded server, which only mirror rank 0."""
+        sharded = self.link is not None
+        cache, cached = self.link.agree_fetch(self.store, prompt) if sharded else self.store.fetch(prompt)
         drafter = None
-        if job.use_drafter and self.drafter is not None:  # its own state, the server drafter's weights
+        if use_drafter and self.drafter is not None:  # its own state, the server drafter's weights
             drafter = self.drafter.fork() if hasattr(self.drafter, "fork") else self.drafter
 
         def progress(done: int, total: int) -> None:  # between prefill chunks
             if job.cancelled.is_set():
                 raise _Cancelled(job)
 
+        # Sharded, a prefill is never cut short (the other ranks would go on): the row ends
+        # after the step instead.
         try:
-            uid = self.decoder.add(job.prompt[cached:], drafter, prompt_cache=cache,
-                                   prompt_progress_callback=progress, **job.options)
-        except BaseException as e:
+            uid = self.decoder.add(prompt[cached:], drafter, prompt_cache=cache, rng_seed=seed,
+                                   prompt_progress_callback=None if sharded else progress, **options)
+        except BaseException as e:  # bad options: the same on every rank
             self.store.put(cache)
-            self.metrics.request_done("failed")
-            job.done = True
-            job.send(Failed(e))
+            if job is not None:
+                self._refuse(job, e)
             return
-        self._runs[uid] = Run(job, cache, cached, drafter, StopCutter(job.stops))
+        self._runs[uid] = Run(job, cache, cached, drafter, StopCutter(job.stops if job else ()))
+
+    def _refuse(self, job: Job, error: BaseException) -> None:
+        self.metrics.request_done("failed")
+        job.done = True
+        job.send(Failed(error))
 
     def _step(self) -> None:
         try:
             events = self.decoder.step()
         except _Cancelled as c:  # a client left during its prefill: its cache is as before
             uid = next(u for u, r in self._runs.items() if r.job is c.args[0])
-            return self._end(uid, "cancelled")
-        except BaseException as e:  # never let one request end the engine
-            log.exception("a decode step failed")
-            for uid in list(self._runs):
-                self._end(uid, "failed", e)
+            self._ending.append((uid, "cancelled", None, None))
+            return
+        except BaseException as e:
+            if self.link is not None:  # the ranks may disagree from here on: every rank stops
+                raise
+            log.exception("a decode step failed")  # never let one request end the engine
+            self._ending += [(uid, "failed", e, None) for uid in self._runs]
+            return
+        if not self.leader:  # rank 0 decides what the tokens mean; it sends the endings
             return
         if self.decoder.width:
             self.metrics.batch_step(self.decoder.width)
@@ -339,25 +305,32 @@ class Engine:
                 reason = "stop" if run.cut.matched is not None else r.finish_reason
                 if r.finish_reason is not None and run.cut.matched is None:
                     text += run.cut.flush()
-                run.job.send(Piece(text, r.token, self._logprob(r, run.job.logprobs)))
+                run.job.send(Piece(text, r.token, logprob(self.tokenizer, r, run.job.logprobs)))
                 if reason is None and run.job.cancelled.is_set():
                     reason = "cancelled"
                 if reason is not None:
-                    self._end(uid, reason, seen=seen)
+                    self._ending.append((uid, reason, None, seen))
                     break
-        for uid, run in list(self._runs.items()):  # cancelled while waiting for its prefill
-            if run.job.cancelled.is_set() and run.n == 0:
-                self._end(uid, "cancelled")
 
-    def _end(self, uid: int, reason: str, error: BaseException | None = None, seen: int | None = None) -> None:
+    def _end(self, uid: int, reason: str | None, error: BaseException | None = None,
+             seen: int | None = None) -> None:
         """Release the row (its cache holds the prompt and the tokens handed out; it goes back to
         the store), count the request and tell its client."""
-        run = self._runs.pop(uid)
+        run = self._runs.pop(uid, None)
+        if run is None:
+            from ..distributed import DesyncError
+
+            raise DesyncError(f"rank {self.link.rank if self.link else 0} has no request {uid} "
+                              "to end: out of step with rank 0")
         try:
             self.decoder.release(uid, seen)
         except BaseException as e:
+            if run.job is None:
+                raise
             error = error or e
         self.store.put(run.cache)
+        if run.job is None:  # another rank's mirror of a request
+            return
         run.job.done = True
         if error is not None:
             self.metrics.request_done("failed")
@@ -373,24 +346,20 @@ class Engine:
                                   usage if reason != "cancelled" or run.n else None)
         job.send(Finished(reason, usage, run.cut.matched))
 
-    def _logprob(self, r, top: int | None):
-        """(token text, log-prob, top n) from the target's log-probabilities at this token."""
-        if top is None:
-            return None
-        import mlx.core as mx
-
-        lp = r.logprobs
-        best = []
-        if top > 0:
-            ids = mx.argpartition(-lp, kth=top - 1)[:top]
-            values = lp[ids]
-            order = mx.argsort(-values)
-            ids, values = ids[order].tolist(), values[order].tolist()
-            best = [(self._piece(i), v) for i, v in zip(ids, values)]
-        return self._piece(r.token), lp[r.token].item(), best
-
-    def _piece(self, token: int) -> str:
-        return self.tokenizer.decode([token])
+    def _die(self, error: BaseException) -> None:
+        """The loop cannot go on: fail every request, and tell the server (`on_fatal`)."""
+        who = f"rank {self.link.rank}: " if self.link is not None else ""
+        log.error("%sthe engine stopped: %s: %s", who, type(error).__name__, error)
+        self.fatal = error
+        with self._cond:
+            self._closing = True
+            jobs = list(self._waiting) + [r.job for r in self._runs.values() if r.job is not None]
+            self._waiting.clear()
+        for job in jobs:
+            job.done = True
+            job.send(Failed(error))
+        if self.on_fatal is not None:
+            self.on_fatal(error)
 
 
 def _materialize(model, drafter) -> None:

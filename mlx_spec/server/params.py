@@ -104,8 +104,8 @@ def generation_options(body: Body, engine, *, max_tokens: int) -> tuple[dict, bo
         penalties["repetition_penalty"] = None
     bias = _logit_bias(body, engine)
     processors = make_logits_processors(logit_bias=bias, **penalties)
-    if processors:
-        options["logits_processors"] = processors
+    if processors:  # with how they were made: a sharded server's other ranks make them too
+        options["logits_processors"] = Processors(processors, dict(logit_bias=bias, **penalties))
     use_drafter = _draft(body, engine)
     k = body.raw("num_draft_tokens", engine.num_draft_tokens)
     if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16)):
@@ -113,6 +113,14 @@ def generation_options(body: Body, engine, *, max_tokens: int) -> tuple[dict, bo
                       "num_draft_tokens")
     options["num_draft_tokens"] = k
     return options, use_drafter
+
+
+class Processors(list):
+    """Logits processors, and the `make_logits_processors` keywords that made them."""
+
+    def __init__(self, processors, recipe: dict):
+        super().__init__(processors)
+        self.recipe = recipe
 
 
 def _draft(body: Body, engine) -> bool:
