@@ -79,9 +79,11 @@ class TreeCache:
         return self.inner.update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """The block's N rows see every cached position before the tree's own columns (the
+        mask's last W: earlier tree rows already in the cache, then the block) in full."""
         if window_size is not None:
             raise ValueError("tree blocks do not support sliding-window layers")
-        before = mx.ones((N, self.inner.offset), mx.bool_)
+        before = mx.ones((N, self.inner.offset + N - self._mask.shape[1]), mx.bool_)
         return mx.concatenate([before, self._mask], axis=1)
 
 
@@ -140,12 +142,20 @@ def _ropes(model) -> list[tuple[object, str]]:
 
 def forward(model, cache: list, inputs: mx.array, parents: Sequence[int]) -> mx.array:
     """Logits [N+1, V] of a tree block `inputs` = [y, nodes...] (lazy)."""
+    return forward_block(model, cache, inputs, mx.array(ancestry(parents)), [0] + depths(parents))
+
+
+def forward_block(model, cache: list, inputs: mx.array, mask: mx.array, shifts: list[int]) -> mx.array:
+    """Logits [N, V] of N tokens appended to `cache` (lazy): row i attends to what `mask[i]`
+    ([N, W] booleans, may be lazy) allows among the cache's last W positions (the block's
+    included) and to everything before them, at position `offset + shifts[i]` (offset: the
+    cache's length before the block). A whole tree at once is W = N, shifts the depths; a
+    tree grown depth by depth (`mlx_spec.dynamic_tree`) appends one depth at a time."""
     ropes = _ropes(model)
     if not ropes:
         raise ValueError(f"{type(model).__name__} has no rope modules to place tree nodes")
-    mask = mx.array(ancestry(parents))
     wrapped = [TreeCache(c, mask) for c in cache]
-    plan = DepthPlan([0] + depths(parents))  # shared by every layer's rope
+    plan = DepthPlan(shifts)  # shared by every layer's rope
     originals = [(m, m[k]) for m, k in ropes]
     try:
         for m, k in ropes:
