@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
+    p.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                   help="with --draft-model: an EAGLE-2 dynamic tree of N nodes (1..16) a step, kept "
+                   "by cumulative draft probability, at most --num-draft-tokens deep")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -123,10 +126,13 @@ def _local_folder(model_path: str) -> str:
 def make_drafter(args, model, model_path: str):
     import mlx_spec
 
-    branches = getattr(args, "branches", 1)
+    branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
+    if budget is not None and args.draft_model is None:
+        raise ValueError("--tree-budget grows dynamic trees with a draft model: give --draft-model PATH "
+                         "(for n-gram trees use --branches)")
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches)
+        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
         if args.draft == "ngram+model":  # both, merged into one draft tree per step
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter
