@@ -34,10 +34,22 @@ import numpy as np
 from .drafters.base import Draft
 from .sampling import Sampling
 
-# step(tokens [w], mask [w, W], shift) -> logits [w, V]: feed one depth's frontier, where
-# row i sees the W tree rows fed so far (this depth's included) that mask[i] allows, at
-# position (cache length before the depth) + shift.
-Step = Callable[[mx.array, mx.array, int], mx.array]
+# step(tokens [w], slots, mask [w, W], shift) -> logits [w, V]: feed one depth's frontier,
+# where row i is a child of row slots[i] of the depth fed before (slots: lazy [w] indices;
+# None for depth 1, the root's children), sees the W tree rows fed so far (this depth's
+# included) that mask[i] allows, and sits at position (cache length before the depth) + shift.
+Step = Callable[[mx.array, "mx.array | None", mx.array, int], mx.array]
+
+
+def check_settings(tree_budget, tree_width) -> None:
+    """A drafter's `tree_budget` / `tree_width` arguments, refused with a clear error."""
+    from .cache import MAX_DRAFT
+
+    if tree_budget is not None and not (isinstance(tree_budget, int) and 1 <= tree_budget <= MAX_DRAFT):
+        raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (nodes verified a step) "
+                         f"or None (no dynamic tree), got {tree_budget!r}")
+    if not (isinstance(tree_width, int) and 1 <= tree_width <= 8):
+        raise ValueError(f"tree_width must be an integer in 1..8, got {tree_width!r}")
 
 
 def scores(logits: mx.array, sampling: Sampling) -> mx.array:
@@ -57,13 +69,19 @@ def _top(x: mx.array, w: int) -> mx.array:
 
 
 def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: int,
-         sampling: Sampling) -> tuple[Draft, dict[tuple[int, ...], int]]:
+         sampling: Sampling, token_ids: mx.array | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """A dynamic tree of at most `budget` nodes and `depth` levels below the root whose
-    next-token logits are `root_logits` [V]; (the draft, {node path: fed row})."""
+    next-token logits are `root_logits` [V]; (the draft, {node path: fed row}). `token_ids`
+    maps the logits' index to a target token id (a head's own smaller vocabulary)."""
     w = max(1, min(width, budget, root_logits.shape[-1]))
+
+    def ids(i: mx.array) -> mx.array:
+        return (i if token_ids is None else token_ids[i]).astype(mx.uint32)
+
     lq = scores(root_logits, sampling)
     top = _top(lq, w)
-    tok, val = top.astype(mx.uint32), lq[top]  # depth 1: the root's w best tokens, all frontier
+    tok, val = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
+    slots = None
     levels = [(tok, val)]  # per depth: every candidate's token and value
     fronts = []  # per depth < `depth`: the frontier's candidate indices (depth 1: all, in order)
     anc = mx.eye(w, dtype=mx.bool_)  # the frontier's ancestry over the tree rows fed so far
@@ -71,14 +89,15 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
     for d in range(2, depth + 1):
         fronts.append(mx.arange(w) if d == 2 else sel)
         # the depth d - 1 frontier sits at position base + d - 2; the cache holds (d - 2) * w tree rows
-        lq = scores(step(front_tok, anc, (d - 2) * (1 - w)), sampling)  # [w, V]
+        lq = scores(step(front_tok, slots, anc, (d - 2) * (1 - w)), sampling)  # [w, V]
         kids = _top(lq, w)  # [w, w]
         c_val = (mx.take_along_axis(lq, kids, axis=-1) + front_val[:, None]).reshape(-1)
-        c_tok = kids.reshape(-1).astype(mx.uint32)
+        c_tok = ids(kids.reshape(-1))
         levels.append((c_tok, c_val))
         if d < depth:
             sel = _top(c_val, w)  # the next frontier: the depth's w best candidates
-            anc = mx.concatenate([anc[sel // w], mx.eye(w, dtype=mx.bool_)], axis=1)
+            slots = sel // w
+            anc = mx.concatenate([anc[slots], mx.eye(w, dtype=mx.bool_)], axis=1)
             front_tok, front_val = c_tok[sel], c_val[sel]
     mx.eval(levels, fronts)  # the one sync: the tree's shape is needed on the host
     return select([(t.tolist(), v.tolist()) for t, v in levels], [f.tolist() for f in fronts], w, budget)

@@ -32,8 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                   help="with --draft-model: an EAGLE-2 dynamic tree of N nodes (1..16) a step, kept "
-                   "by cumulative draft probability, at most --num-draft-tokens deep")
+                   help="with --draft-model or an EAGLE head (--draft FOLDER): an EAGLE-2 dynamic tree "
+                   "of N nodes (1..16) a step, kept by cumulative draft probability, at most "
+                   "--num-draft-tokens deep")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -127,9 +128,9 @@ def make_drafter(args, model, model_path: str):
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
-    if budget is not None and args.draft_model is None:
-        raise ValueError("--tree-budget grows dynamic trees with a draft model: give --draft-model PATH "
-                         "(for n-gram trees use --branches)")
+    if budget is not None and args.draft_model is None and args.draft in (None, "none", "ngram", "mtp", "dspark"):
+        raise ValueError("--tree-budget grows dynamic trees with a draft model or an EAGLE head: give "
+                         "--draft-model PATH or --draft HEAD_FOLDER (for n-gram trees use --branches)")
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
@@ -155,7 +156,13 @@ def make_drafter(args, model, model_path: str):
     from pathlib import Path
 
     if Path(kind).expanduser().is_dir():
-        return mlx_spec.load_drafter(kind, model)
+        if budget is None:
+            return mlx_spec.load_drafter(kind, model)
+        try:
+            return mlx_spec.load_drafter(kind, model, tree_budget=budget)
+        except TypeError:  # a loader without the option
+            raise ValueError(f"--tree-budget grows dynamic trees with a draft model or an EAGLE head; "
+                             f"the head in {kind} drafts chains (leave --tree-budget out)") from None
     raise ValueError(
         f"unknown drafter {kind!r}: use ngram, none, mtp, dspark, a converted head "
         "folder (--draft PATH) or --draft-model PATH"

@@ -151,17 +151,24 @@ def forward_block(model, cache: list, inputs: mx.array, mask: mx.array, shifts: 
     included) and to everything before them, at position `offset + shifts[i]` (offset: the
     cache's length before the block). A whole tree at once is W = N, shifts the depths; a
     tree grown depth by depth (`mlx_spec.dynamic_tree`) appends one depth at a time."""
-    ropes = _ropes(model)
+    return call_block(model, cache, mask, shifts, lambda wrapped: model(inputs[None], cache=wrapped)[0])
+
+
+def call_block(module, cache: list, mask: mx.array, shifts: list[int], run):
+    """`run(wrapped cache)` (a forward of `module` over N rows, e.g. a drafter head's) with
+    `forward_block`'s mask and positions: the cache layers seen through `TreeCache`, the
+    module's ropes through `DepthRoPE` for this one call."""
+    ropes = _ropes(module)
     if not ropes:
-        raise ValueError(f"{type(model).__name__} has no rope modules to place tree nodes")
+        raise ValueError(f"{type(module).__name__} has no rope modules to place tree nodes")
     wrapped = [TreeCache(c, mask) for c in cache]
     plan = DepthPlan(shifts)  # shared by every layer's rope
     originals = [(m, m[k]) for m, k in ropes]
     try:
         for m, k in ropes:
             m[k] = DepthRoPE(m[k], plan)
-        return model(inputs[None], cache=wrapped)[0]
-    finally:  # the graph is built: put the model back at once
+        return run(wrapped)
+    finally:  # the graph is built: put the module back at once
         for m, original in originals:
             m["rope"] = original
 

@@ -70,11 +70,15 @@ class Synthetic:
         rng = np.random.default_rng([self.seed, len(path), *path])
         return (3.0 * rng.standard_normal(self.vocab)).astype(np.float32)
 
-    def step(self, tokens, mask, shift):
+    def step(self, tokens, slots, mask, shift):
         tokens, mask = tokens.tolist(), np.array(mask)
         w, W = mask.shape
         self.fed += tokens
         assert W == len(self.fed)
+        if slots is None:
+            assert W == w  # depth 1: the root's children
+        else:  # each row's parent: its slot among the depth fed before
+            assert all(mask[i, W - 2 * w + p] for i, p in enumerate(slots.tolist()))
         rows = []
         for i in range(w):
             path = tuple(self.fed[j] for j in range(W) if mask[i, j])

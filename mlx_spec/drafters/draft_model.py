@@ -43,11 +43,7 @@ class DraftModelDrafter(SavesState):
                  tree_budget: int | None = None, tree_width: int = 4):
         if not (isinstance(branches, int) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
-        if tree_budget is not None and not (isinstance(tree_budget, int) and 1 <= tree_budget <= MAX_DRAFT):
-            raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (nodes verified a step) "
-                             f"or None (no dynamic tree), got {tree_budget!r}")
-        if not (isinstance(tree_width, int) and 1 <= tree_width <= 8):
-            raise ValueError(f"tree_width must be an integer in 1..8, got {tree_width!r}")
+        dynamic_tree.check_settings(tree_budget, tree_width)
         if tree_budget is not None and branches != 1:
             raise ValueError("branches (fixed runner-up leaves) and tree_budget (an EAGLE-2 dynamic "
                              "tree) are two tree shapes: give one of them")
@@ -84,7 +80,7 @@ class DraftModelDrafter(SavesState):
         """Draft logits at the last position, laid out over the target vocabulary."""
         return self._layout(self.model(tokens[None], cache=self.cache)[0, -1])
 
-    def _tree_logits(self, tokens: mx.array, mask: mx.array, shift: int) -> mx.array:
+    def _tree_logits(self, tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
         """One depth of a dynamic tree fed at once ([w] tokens -> [w, V]; `dynamic_tree.Step`)."""
         return self._layout(tree.forward_block(self.model, self.cache, tokens, mask, [shift] * tokens.shape[0]))
 
