@@ -230,3 +230,12 @@ def test_sampled_dynamic_trees_keep_the_targets_law():
     deep = sum(t.accepted >= 2 for t in steps)
     assert deep > 100, deep  # paths of two nodes or more were accepted
     L.assert_lossless(runs, joint)
+
+
+def test_a_recurrent_draft_still_drafts_chains():
+    target, draft = tiny.llama_model(seed=2), tiny.qwen3_5_model()
+    for budget in (None, 8):
+        d = mlx_spec.DraftModelDrafter(draft, tree_budget=budget)
+        out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=12, num_draft_tokens=4))
+        assert [r.token for r in out] == reference(target, PROMPT, 12)
+        assert out[-1].stats.tree_steps == 0

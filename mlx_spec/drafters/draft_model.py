@@ -103,9 +103,10 @@ class DraftModelDrafter(SavesState):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
-        self._pending, self._rows, self._base = [], None, self.cache[0].offset
+        self._pending, self._rows = [], None
         b = self.branches
         if self._grows:  # EAGLE-2: deeper where the draft is sure, wider where it is not
+            self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
             budget = self.tree_budget
             draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget),
                                                   width=self.tree_width, budget=budget, sampling=sampling)
