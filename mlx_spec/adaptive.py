@@ -42,6 +42,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from .identity import IdentityMap
 from .cache import MAX_DRAFT
 
@@ -145,22 +147,18 @@ class AdaptiveK:
         share pi of each state gives the rate sum(pi E) / sum(pi T); the other
         state's k is the best one for each k here.
         """
-        here, there = self._curves(self.state), self._curves(1 - self.state)
+        here, there = (np.array(c) for c in (self._curves(self.state), self._curves(1 - self.state)))
         # probability that a step leaves its state, for each k
-        leave_here = [p if self.state == 0 else 1.0 - p for p in here[2]]
-        leave_there = [p if self.state == 1 else 1.0 - p for p in there[2]]
-        out = []
-        for k in range(self.k_max + 1):
-            if leave_here[k] == 0:  # this k never leaves the state
-                out.append(here[0][k] / here[1][k])
-                continue
-            best = 0.0
-            for j in range(self.k_max + 1):
-                pi = leave_there[j] / (leave_here[k] + leave_there[j])  # share of steps here
-                best = max(best, (pi * here[0][k] + (1 - pi) * there[0][j])
-                           / (pi * here[1][k] + (1 - pi) * there[1][j]))
-            out.append(best)
-        return out
+        leave_here = here[2] if self.state == 0 else 1.0 - here[2]
+        leave_there = there[2] if self.state == 1 else 1.0 - there[2]
+        # all (k here, j there) pairs at once (a pair that never leaves either state is
+        # replaced below: only k = "stays" can have one)
+        pi = leave_there[None, :] / np.maximum(leave_here[:, None] + leave_there[None, :], 1e-300)
+        pairs = ((pi * here[0][:, None] + (1 - pi) * there[0][None, :])
+                 / (pi * here[1][:, None] + (1 - pi) * there[1][None, :]))
+        stays = leave_here == 0  # this k never leaves the state
+        best = np.where(stays, here[0] / here[1], pairs.max(axis=1))
+        return best.tolist()
 
     def choose(self) -> tuple[int, float]:
         """(k, its expected gain over plain decoding)."""

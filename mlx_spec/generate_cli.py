@@ -32,9 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                   help="with --draft-model or an EAGLE head (--draft FOLDER): an EAGLE-2 dynamic tree "
-                   "of N nodes (1..16) a step, kept by cumulative draft probability, at most "
-                   "--num-draft-tokens deep")
+                   help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with "
+                   "--draft-model or an EAGLE head, DDTree-style trees with a DFlash or DSpark head; "
+                   "default: chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -128,9 +128,6 @@ def make_drafter(args, model, model_path: str):
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
-    if budget is not None and args.draft_model is None and args.draft in (None, "none", "ngram", "mtp", "dspark"):
-        raise ValueError("--tree-budget grows dynamic trees with a draft model or an EAGLE head: give "
-                         "--draft-model PATH or --draft HEAD_FOLDER (for n-gram trees use --branches)")
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
@@ -140,6 +137,12 @@ def make_drafter(args, model, model_path: str):
     if args.draft == "ngram+model":
         raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
     kind = args.draft or "ngram"
+    tree_budget = getattr(args, "tree_budget", None)  # block drafters (head folders, dspark)
+    if tree_budget is not None and kind in ("none", "ngram", "mtp"):
+        raise ValueError(f"--tree-budget drafts trees with a draft model (--draft-model PATH), an EAGLE "
+                         f"head or a block drafter (a DFlash or DSpark head: --draft PATH or --draft "
+                         f"dspark), not with --draft {kind}")
+    options = {} if tree_budget is None else {"tree_budget": tree_budget}
     if branches != 1 and kind != "ngram":
         raise ValueError(f"--branches drafts trees with the n-gram and draft-model drafters; "
                          f"--draft {kind} drafts chains (leave --branches out)")
@@ -148,7 +151,7 @@ def make_drafter(args, model, model_path: str):
     if kind == "ngram":
         return mlx_spec.NGramDrafter(branches=branches)
     if kind in ("mtp", "dspark"):  # weights inside the target checkpoint
-        drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind)
+        drafter = mlx_spec.load_drafter(_local_folder(model_path), model, kind=kind, **options)
         k = getattr(args, "num_draft_tokens", "auto")
         if isinstance(k, int) and k > drafter.max_draft and hasattr(drafter, "set_block"):
             drafter.set_block(k)  # DeepSeek-V4 DSpark: vLLM's num_speculative_tokens k
@@ -156,13 +159,7 @@ def make_drafter(args, model, model_path: str):
     from pathlib import Path
 
     if Path(kind).expanduser().is_dir():
-        if budget is None:
-            return mlx_spec.load_drafter(kind, model)
-        try:
-            return mlx_spec.load_drafter(kind, model, tree_budget=budget)
-        except TypeError:  # a loader without the option
-            raise ValueError(f"--tree-budget grows dynamic trees with a draft model or an EAGLE head; "
-                             f"the head in {kind} drafts chains (leave --tree-budget out)") from None
+        return mlx_spec.load_drafter(kind, model, **options)
     raise ValueError(
         f"unknown drafter {kind!r}: use ngram, none, mtp, dspark, a converted head "
         "folder (--draft PATH) or --draft-model PATH"

@@ -18,6 +18,7 @@ when the folder has no such weights) are asked in order.
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 from pathlib import Path
 
@@ -43,7 +44,15 @@ TARGET_PROBES: dict[str, str] = {
 
 def _call(spec: str, *args, **options):
     module, func = spec.split(":")
-    return getattr(importlib.import_module(module), func)(*args, **options)
+    fn = getattr(importlib.import_module(module), func)
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        unknown = sorted(set(options) - set(params))
+        if unknown:  # e.g. tree_budget for a head that drafts chains only
+            kind = module.rsplit(".", 1)[-1]
+            raise ValueError(f"{kind} drafters take no {', '.join(unknown)} option "
+                             f"(it accepts: {', '.join(n for n in params if n not in ('folder', 'config', 'model')) or 'none'})")
+    return fn(*args, **options)
 
 
 def read_head_config(folder: Path) -> dict:

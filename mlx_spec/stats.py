@@ -72,7 +72,9 @@ class SpecStats:
 
     @property
     def host_ms_per_step(self) -> float:
-        """Milliseconds of each verify step spent outside MLX evaluation, on average."""
+        """Milliseconds of each step during which MLX had none of the step's work queued
+        (building the graph up to its first queued piece, bookkeeping after the result is
+        read), on average. It cannot see a fast device running dry between queued pieces."""
         f = self.target_forwards
         return 1000 * (self.step_seconds - self.sync_seconds) / f if f else 0.0
 

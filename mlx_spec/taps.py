@@ -98,7 +98,7 @@ def in_pieces(model, calls) -> list:
     whose forward splits a block (`mlx_spec.targets.deepseek_v4`). Returns the calls' results."""
     stack = decoder_stack(model)
     norm = final_norm_name(stack)
-    recs = [m for m in [*stack.layers, getattr(stack, norm) if norm else None] if isinstance(m, _Recorder)]
+    recs = [r for r in map(_recorder, [*stack.layers, getattr(stack, norm) if norm else None]) if r]
     seen = {id(r): ([], []) for r in recs}
     results = []
     for call in calls:
@@ -115,6 +115,13 @@ def in_pieces(model, calls) -> list:
         if out:
             r.seen.out = mx.concatenate(out, axis=1)
     return results
+
+
+def _recorder(m) -> _Recorder | None:
+    """The recorder in a chain of wrappers (another wrapper may sit on top for one forward)."""
+    while isinstance(m, SeeThrough) and not isinstance(m, _Recorder):
+        m = m.inner
+    return m if isinstance(m, _Recorder) else None
 
 
 class Taps:

@@ -52,3 +52,33 @@ def fp8_blocks_to_mxfp8(key: str, weight, scale):
     rows, cols = weight.shape
     scales = mx.repeat(mx.repeat(scale, tile, axis=0), tile // 32, axis=1)[:rows, : cols // 32]
     return weight.view(mx.uint32), scales
+
+
+def quantize_as_stored(net, weights: dict) -> None:
+    """Quantize the modules of `net` whose tensors carry `.scales`, each with the bits, group
+    size and mode its tensors say (as mlx-lm's loader does; a checkpoint may mix modes)."""
+    import mlx.nn as nn
+    from mlx_lm.utils import infer_quant_config
+
+    nn.quantize(net, class_predicate=lambda path, m: (
+        hasattr(m, "to_quantized") and f"{path}.scales" in weights
+        and infer_quant_config(path, m, weights)))
+
+
+def check_fit(want: dict, weights: dict, what: str, hint: str, where: str = "",
+              source=lambda key: key) -> None:
+    """Refuse, by name, the first tensor of `weights` that is missing from, foreign to or
+    misshaped for the parameters `want` ({key: array}) of the module built from the config.
+    `what` names the tensors ("DeepSeek-V4"), `where` prefixes the message (the folder),
+    `source(key)` says where a missing parameter would come from in the checkpoint."""
+    for key in sorted(set(want) - set(weights)):
+        raise ValueError(f"{where}{what} tensor {source(key)} is missing, expected shape "
+                         f"{tuple(want[key].shape)}; {hint}")
+    for key in sorted(set(weights) - set(want)):
+        raise ValueError(f"{where}unexpected {what} tensor {key} {tuple(weights[key].shape)}: "
+                         f"no such parameter in the module built from the config; {hint}")
+    for key, value in want.items():
+        if tuple(weights[key].shape) != tuple(value.shape):
+            raise ValueError(f"{where}{what} tensor {key} has shape "
+                             f"{tuple(weights[key].shape)}, expected {tuple(value.shape)} from "
+                             f"the config; {hint}")

@@ -4,15 +4,18 @@
     python scripts/overhead.py --gpu-like      # 30 layers of width 64, a 49k vocabulary
 
 Real model: per method, interleaved over rounds (medians printed), milliseconds per step,
-of which host milliseconds (time outside MLX evaluation and not overlapped with it:
-mlx-spec's `stats.host_ms_per_step`), and tokens/s. mlx-lm's loops give no such split;
-their ms per token is printed.
+of which host milliseconds (time during which MLX had none of the step's work queued:
+mlx-spec's `stats.host_ms_per_step`), and tokens/s; each speculative method also runs
+with its forwards built whole before evaluation ("no-overlap", `mlx_spec.overlap`), the
+"before" of piecewise evaluation. mlx-lm's loops give no such split; their ms per
+token is printed.
 
 GPU-like regime: a model whose arithmetic is negligible, so a step costs its fixed
 per-step work, as on a fast GPU. Printed: ms per step of mlx-lm's plain loop
 (`generate_step`, and `stream_generate`, which detokenizes and builds a response per
 token as mlx-spec does), mlx-spec's
-plain loop and an n-gram verify step (k drafted), and each one's ratio to mlx-lm's plain;
+plain loop and an n-gram verify step (k drafted; also without piecewise evaluation), and
+each one's ratio to mlx-lm's plain;
 the same for CPU time per step (the process's, all threads), which other jobs on a shared
 machine disturb much less than wall time (but which cannot show overlap).
 """
@@ -49,6 +52,7 @@ def real(args) -> int:
     from mlx_lm.generate import generate_step, speculative_generate_step
 
     import mlx_spec
+    from mlx_spec import overlap
     from mlx_spec.generate_cli import resolve_model
 
     model, tok = mlx_spec.load(resolve_model(args.model))
@@ -60,7 +64,8 @@ def real(args) -> int:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         methods["mlx-spec draft"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
 
-    def ours(make):
+    def ours(make, pieces):
+        overlap.PIECES = pieces
         out = list(mlx_spec.stream_generate(model, tok, ids, make(), max_tokens=args.max_tokens,
                                             num_draft_tokens=args.k))
         s = out[-1].stats
@@ -75,11 +80,14 @@ def real(args) -> int:
             n += 1
         return (time.perf_counter() - tic) / n * 1e3
 
-    rows = {name: [] for name in methods}
+    pieces = overlap.PIECES
+    variants = {f"{name}{tag}": (make, p) for name, make in methods.items()
+                for tag, p in (("", pieces), (" no-overlap", 0)) if p or name != "mlx-spec none"}
+    rows = {name: [] for name in variants}
     mlx_lm = {"mlx-lm plain": [], **({"mlx-lm draft": []} if draft is not None else {})}
     for r in range(args.rounds + 1):  # round 0 warms up
-        for name, make in methods.items():
-            got = ours(make)
+        for name, (make, p) in variants.items():
+            got = ours(make, p)
             if r:
                 rows[name].append(got)
         for name in mlx_lm:
@@ -89,10 +97,10 @@ def real(args) -> int:
     print(f"{args.model}, {args.max_tokens} tokens, k {args.k}, {args.rounds} rounds (medians)")
     for name, runs in rows.items():
         step, host, tps = (_median([x[i] for x in runs]) for i in range(3))
-        print(f"{name:16s} {step:7.1f} ms/step  host {host:5.2f} ms ({host / step:5.1%})  {tps:6.2f} tok/s")
+        print(f"{name:27s} {step:7.1f} ms/step  host {host:5.2f} ms ({host / step:5.1%})  {tps:6.2f} tok/s")
     for name, runs in mlx_lm.items():
         ms = _median(runs)
-        print(f"{name:16s} {ms:7.1f} ms/token                       {1e3 / ms:6.2f} tok/s")
+        print(f"{name:27s} {ms:7.1f} ms/token                       {1e3 / ms:6.2f} tok/s")
     return 0
 
 
@@ -102,6 +110,7 @@ def gpu_like(args) -> int:
     from mlx_lm.models import llama
 
     import mlx_spec
+    from mlx_spec import overlap
     from mlx_spec.generate_cli import resolve_model
 
     mx.random.seed(0)
@@ -128,7 +137,8 @@ def gpu_like(args) -> int:
             count += 1
         return (time.perf_counter() - tic) / count * 1e3, (time.process_time() - cpu) / count * 1e3
 
-    def ours(drafter):
+    def ours(drafter, pieces=overlap.PIECES):
+        overlap.PIECES = pieces
         cpu = time.process_time()
         out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n,
                                             num_draft_tokens=args.k))
@@ -144,11 +154,12 @@ def gpu_like(args) -> int:
             draft = super().propose(y, k, sampling)
             return draft if draft.size == k else mlx_spec.Draft(mx.full((k,), y, mx.uint32))
 
-    res = {"mlx-lm plain": [], "mlx-lm stream": [], "mlx-spec plain": [], f"mlx-spec ngram k={args.k}": []}
+    res = {"mlx-lm plain": [], "mlx-lm stream": [], "mlx-spec plain": [], f"mlx-spec ngram k={args.k}": [],
+           f"mlx-spec ngram k={args.k} no-overlap": []}
     cpu = {name: [] for name in res}
     for r in range(args.rounds + 1):
         *ngram, drafted = ours(AlwaysK())
-        got = (mlx_lm_plain(), mlx_lm_stream(), ours(None)[:2], ngram)
+        got = (mlx_lm_plain(), mlx_lm_stream(), ours(None)[:2], ngram, ours(AlwaysK(), 0)[:2])
         if r:
             for name, (wall, cpu_ms) in zip(res, got):
                 res[name].append(wall)
@@ -159,7 +170,7 @@ def gpu_like(args) -> int:
     print("wall: ms per step; cpu: CPU ms (all threads) per step, less sensitive to other jobs on the machine")
     for name, runs in res.items():
         ms, c = _median(runs), _median(cpu[name])
-        print(f"{name:20s} wall {ms:6.2f} ms {ms / base:5.2f}x   cpu {c:6.2f} ms {c / cpu_base:5.2f}x   "
+        print(f"{name:31s} wall {ms:6.2f} ms {ms / base:5.2f}x   cpu {c:6.2f} ms {c / cpu_base:5.2f}x   "
               f"(wall runs: {', '.join(f'{x:.1f}' for x in runs)})")
     return 0
 

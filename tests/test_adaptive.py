@@ -384,3 +384,34 @@ def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start(monkeypatch
     loaded = adaptive.policy_for(model, drafter, 16, sampling=mlx_spec.Sampling())
     assert loaded.accept == [[adaptive.PRIOR] * 16 for _ in loaded.accept]
     assert loaded.choose()[0] > 0  # drafts from the first step, as a cold start does
+
+
+def _rates_by_pairs(policy):
+    """The long-run rate of each k, pair by pair (the definition `rates` vectorises)."""
+    here, there = policy._curves(policy.state), policy._curves(1 - policy.state)
+    leave_here = [p if policy.state == 0 else 1.0 - p for p in here[2]]
+    leave_there = [p if policy.state == 1 else 1.0 - p for p in there[2]]
+    out = []
+    for k in range(policy.k_max + 1):
+        if leave_here[k] == 0:
+            out.append(here[0][k] / here[1][k])
+            continue
+        out.append(max((pi * here[0][k] + (1 - pi) * there[0][j]) / (pi * here[1][k] + (1 - pi) * there[1][j])
+                       for j in range(policy.k_max + 1)
+                       for pi in [leave_there[j] / (leave_here[k] + leave_there[j])]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rates_are_the_pairwise_long_run_rates(seed):
+    rng = np.random.default_rng(seed)
+    k_max = int(rng.integers(1, 17))
+    policy = AdaptiveK(linear_costs(float(rng.uniform(0.01, 0.5))), k_max=k_max,
+                       replays=bool(seed % 2))
+    for _ in range(int(rng.integers(0, 40))):
+        k = int(rng.integers(1, k_max + 1))
+        policy.observe(k, int(rng.integers(0, k + 1)))
+        policy.state = int(rng.integers(0, 2))
+    for state in (0, 1):
+        policy.state = state
+        np.testing.assert_allclose(policy.rates(), _rates_by_pairs(policy), rtol=1e-12)

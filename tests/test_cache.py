@@ -92,7 +92,10 @@ def test_rollback_equals_fresh_cache(name, steps, prompt_len, small_window_buffe
     fresh = make_ref(model)
     model(mx.array([committed]), cache=fresh)
     got, want = next_logits(model, cache, 7), next_logits(model, fresh, 7)
-    tol = 2e-2 if name in ("quantized", "deepseek_v41") else 1e-4
+    # A recurrent layer fed 5 + 10 tokens vs 15 at once sums its chunked recurrence in another
+    # float32 order (seen: 1.6e-4 on a logit, with nothing rolled back); a wrong rollback moves
+    # logits by O(1).
+    tol = 2e-2 if name in ("quantized", "deepseek_v41") else 5e-4 if name == "recurrent" else 1e-4
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 

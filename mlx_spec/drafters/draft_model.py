@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
+from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, vocab_size
 
@@ -78,7 +79,8 @@ class DraftModelDrafter(SavesState):
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""
-        return self._layout(self.model(tokens[None], cache=self.cache)[0, -1])
+        with overlapped(self.model):  # evaluated in pieces while the next steps are built
+            return self._layout(self.model(tokens[None], cache=self.cache)[0, -1])
 
     def _tree_logits(self, tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
         """One depth of a dynamic tree fed at once ([w] tokens -> [w, V]; `dynamic_tree.Step`)."""

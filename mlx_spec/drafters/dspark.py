@@ -45,6 +45,11 @@ the target's vocabulary with zeros elsewhere, so rejection sampling stays exact.
 speculators' checkpoints may keep row 0 for the anchor only (`sample_from_anchor: false`):
 rows 1..B-1 then draft, B-1 tokens, d_0's Markov predecessor still y.
 
+Trees (`tree_budget=N`, `block_tree`): heads without a Markov head (DeepSpec's "DFlash"
+layout) draft DDTree-style trees from U, cut to the confidence length (read in the tree's
+one host sync); a Markov head makes each row depend on the token before it, so those heads
+refuse `tree_budget`.
+
 Non-goals: the `gated`/`rnn` Markov variants.
 """
 
@@ -57,6 +62,7 @@ import mlx.nn as nn
 
 from ..taps import decoder_stack, embedding
 from .base import MAX_DRAFT, SavesState, check_target, target_lm_head
+from .block_tree import tree_verifiable
 from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
 from .dflash.drafter import block_inputs, check_block_target
 from .dspark_v4 import probe as probe_v4
@@ -90,7 +96,7 @@ class DSparkDrafter(SparkChain, SavesState):
     def __init__(self, net: DFlashNet, cfg: BlockConfig, spark: SparkConfig, heads: SparkHeads,
                  taps: Sequence, *, confidence_threshold: float | None = None,
                  cut: str = "sync", sample_drafts: bool = True,
-                 draft_to_target: mx.array | None = None):
+                 draft_to_target: mx.array | None = None, tree_budget: int | None = None):
         self.cfg, self.spark, self.heads, self.taps = cfg, spark, heads, tuple(taps)
         self.draft_to_target = draft_to_target
         # speculators' slot convention: row 0 holds the anchor only, rows 1.. draft
@@ -98,6 +104,7 @@ class DSparkDrafter(SparkChain, SavesState):
         self.max_draft = min(cfg.block_size - self._skip, MAX_DRAFT)
         self.sample_drafts = sample_drafts
         self.set_cut(confidence_threshold, cut)
+        self.set_tree(tree_budget)  # DDTree-style trees: heads without a Markov head only
         self.context = BlockContext(net, cfg, self.taps)  # DFlash's block forward, reused
         self._embed = self._head = None
 
@@ -109,6 +116,7 @@ class DSparkDrafter(SparkChain, SavesState):
         h = self.heads
         self._embed = h.embed_tokens if "embed_tokens" in h else embedding(decoder_stack(model))
         self._head = h.lm_head if "lm_head" in h else target_lm_head(model)
+        self.trees = self.tree_budget is not None and tree_verifiable(model)
         self.context.reset()
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
@@ -129,7 +137,8 @@ class DSparkDrafter(SparkChain, SavesState):
 
 
 def load(folder, config: dict, model, *, confidence_threshold: float | None = None,
-         cut: str = "sync", sample_drafts: bool = True) -> DSparkDrafter:
+         cut: str = "sync", sample_drafts: bool = True,
+         tree_budget: int | None = None) -> DSparkDrafter:
     """The DSpark drafter stored in a converted head folder (LOADERS["dspark"])."""
     cfg, spark = BlockConfig.from_dict(config), SparkConfig.from_dict(config)
     weights = read_weights(folder)
@@ -143,7 +152,7 @@ def load(folder, config: dict, model, *, confidence_threshold: float | None = No
                          f"for a {spark.vocab_size}-token target needs draft_to_target, and only it")
     return DSparkDrafter(net, cfg, spark, heads, config["mlx_spec"]["taps"],
                          confidence_threshold=confidence_threshold, cut=cut,
-                         sample_drafts=sample_drafts, draft_to_target=d2t)
+                         sample_drafts=sample_drafts, draft_to_target=d2t, tree_budget=tree_budget)
 
 
 def probe_target(folder, config: dict, model, **options):
@@ -157,4 +166,7 @@ def probe_target(folder, config: dict, model, **options):
     text = config.get("text_config", config)
     if not any(key.startswith("dspark_") for key in text):
         return None
+    if options.pop("tree_budget", None) is not None:
+        raise ValueError("tree_budget: the DSpark stages of a DeepSeek-V4 checkpoint draft chains "
+                         "(their Markov stage conditions each position on the token before it)")
     return probe_v4(folder, config, model, **options)

@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from ..sampling import Sampling
 from .base import Draft, pick_block
+from .block_tree import check_budget, propose_tree
 
 CUTS = ("mask", "sync")
 
@@ -85,6 +86,20 @@ class SparkChain:
     sample_drafts: bool
     max_draft: int
     draft_to_target: mx.array | None = None  # [V_d] target ids of a reduced draft vocabulary
+    tree_budget: int | None = None  # DDTree-style trees of this many nodes (`set_tree`)
+    trees = False  # the subclass's bind: a tree_budget and a target that can verify trees
+
+    def set_tree(self, tree_budget: int | None) -> None:
+        """Draft trees of `tree_budget` nodes from the block's per-position distributions
+        (`block_tree`), cut to the confidence length when a threshold is set. Only for
+        heads without a Markov head: with one, each position's distribution depends on the
+        token drafted before it, so the rows are not a factorised block distribution."""
+        budget = check_budget(tree_budget)
+        if budget is not None and "markov_head" in self.heads:
+            raise ValueError("tree_budget needs per-position distributions, but this DSpark head's "
+                             "Markov head conditions each position on the token before it; it "
+                             "drafts chains (leave tree_budget out)")
+        self.tree_budget = budget
 
     def set_cut(self, confidence_threshold: float | None, cut: str = "sync") -> None:
         """Verify only the prefix whose running confidence product stays >= the threshold.
@@ -143,8 +158,21 @@ class SparkChain:
         return (mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None,
                 mx.stack(confs) if confs else None)
 
+    def _tree(self, U, h, sampling) -> Draft:
+        """A DDTree draft (no Markov head); its depth capped by the confidence cut, whose
+        length is read in the tree's one host sync whatever `cut` says."""
+        length = None
+        if self.threshold is not None:
+            conf = mx.sigmoid(self.heads.confidence_head.proj(h)[:, 0]).astype(mx.float32)
+            length = confidence_length(conf, self.threshold)
+        d2t = self.draft_to_target
+        return propose_tree(U, sampling, self.tree_budget, length,
+                            None if d2t is None else (lambda ids: d2t[ids]))
+
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         k = min(k, self.max_draft)
+        if self.trees:
+            return self._tree(*self.step_logits(y, k), sampling)
         tokens, q, conf = self._chain(*self.step_logits(y, k), y, sampling)
         if self.threshold is None:
             return Draft(tokens, q)

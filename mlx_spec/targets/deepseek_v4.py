@@ -29,11 +29,10 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import infer_quant_config
 
 from ..cache import MAX_DRAFT, register_cache_types
 from ..taps import in_pieces
-from ..weights import fp8_blocks_to_mxfp8
+from ..weights import check_fit, fp8_blocks_to_mxfp8, quantize_as_stored
 from . import missing_extra
 
 DROPPED = ("mtp.",)  # read by the drafters (DSpark stages, MTP block), not the trunk
@@ -124,21 +123,9 @@ def load_model(folder, config: dict) -> DeepseekV4:
     text = {**config.get("text_config", config), "vision_n_layers": 0}
     language = vlm_language.LanguageModel(vlm_config.ModelConfig.from_dict(text))
     weights = language.sanitize(_repack_fp8(_read(folder)))
-    nn.quantize(language, class_predicate=lambda path, m: (
-        hasattr(m, "to_quantized") and f"{path}.scales" in weights
-        and infer_quant_config(path, m, weights)))
-    want = dict(tree_flatten(language.parameters()))
-    hint = "; is this a complete DeepSeek-V4 checkpoint for its config.json?"
-    for key in sorted(set(want) - set(weights)):
-        raise ValueError(f"{folder}: DeepSeek-V4 tensor {key} is missing "
-                         f"(expected shape {tuple(want[key].shape)}){hint}")
-    for key in sorted(set(weights) - set(want)):
-        raise ValueError(f"{folder}: unexpected DeepSeek-V4 tensor {key} "
-                         f"{tuple(weights[key].shape)}: no such parameter{hint}")
-    bad = [f"{k} {tuple(weights[k].shape)} (expected {tuple(v.shape)})" for k, v in want.items()
-           if tuple(weights[k].shape) != tuple(v.shape)]
-    if bad:
-        raise ValueError(f"{folder}: DeepSeek-V4 tensors misshaped for config.json: {bad[:3]}")
+    quantize_as_stored(language, weights)
+    check_fit(dict(tree_flatten(language.parameters())), weights, "DeepSeek-V4",
+              "is this a complete DeepSeek-V4 checkpoint for its config.json?", where=f"{folder}: ")
     language.load_weights(list(weights.items()), strict=True)
     mx.eval(language.parameters())
     return DeepseekV4(language)

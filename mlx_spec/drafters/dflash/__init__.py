@@ -37,8 +37,10 @@ def assign(module: nn.Module, weights: dict, config: dict, what: str) -> None:
         ) from None
 
 
-def load(folder, config: dict, model, *, sample_drafts: bool = True) -> DFlashDrafter:
-    """The DFlash drafter stored in a converted head folder (LOADERS["dflash"])."""
+def load(folder, config: dict, model, *, sample_drafts: bool = True,
+         tree_budget: int | None = None) -> DFlashDrafter:
+    """The DFlash drafter stored in a converted head folder (LOADERS["dflash"]); with
+    `tree_budget` it drafts DDTree-style trees of that many nodes (`block_tree`)."""
     cfg = BlockConfig.from_dict(config)
     net = DFlashNet(cfg)
     assign(net, read_weights(folder), config, f"DFlash head {folder}")
@@ -46,7 +48,7 @@ def load(folder, config: dict, model, *, sample_drafts: bool = True) -> DFlashDr
         net, cfg, config["mlx_spec"]["taps"],
         output_multiplier=float(config.get("output_multiplier", 1.0)),
         softcap=config.get("final_logit_softcapping"),
-        sample_drafts=sample_drafts,
+        sample_drafts=sample_drafts, tree_budget=tree_budget,
     )
 
 

@@ -19,9 +19,17 @@ argmax with p_j(argmax q_j), which is lower wherever the target is unsure. Argma
 wins only when nearly every position is near-deterministic, where the block stays
 on one branch (`scripts/block_draft_modes.py` measures both on exact marginals).
 
+Trees (`tree_budget=N`): the same block forward, then a DDTree of the N most likely
+prefixes under the block's per-position distributions, depth <= k (`block_tree`); its
+nodes are point masses. Reading the [k, N] top-N table costs one host sync in `propose`
+(the verify's own is the other). A target whose cache cannot verify a tree (recurrent or
+sliding-window layers) gets chains instead. DFlash2's candidate selector scores pairs
+of tokens, not positions, so it drafts chains only.
+
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
-proposal never need to be rolled back. `propose` is lazy (no host sync).
+proposal never need to be rolled back. `propose` is lazy (no host sync) when it drafts
+chains.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import mlx.core as mx
 from ...sampling import Sampling
 from ...taps import decoder_stack, embedding
 from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
+from ..block_tree import check_budget, propose_tree, tree_verifiable
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
@@ -62,6 +71,7 @@ class DFlashDrafter(SavesState):
         output_multiplier: float = 1.0,
         softcap: float | None = None,
         sample_drafts: bool = True,
+        tree_budget: int | None = None,
     ):
         if cfg.block_size < 2:
             raise ValueError(f"a DFlash block needs at least 2 rows, got block_size {cfg.block_size}")
@@ -70,6 +80,11 @@ class DFlashDrafter(SavesState):
         self.output_multiplier, self.softcap = output_multiplier, softcap
         self.sample_drafts = sample_drafts
         self.context = BlockContext(net, cfg, self.taps)
+        self.tree_budget = check_budget(tree_budget)
+        if self.tree_budget is not None and "candidate_selector" in net:
+            raise ValueError("tree_budget needs per-position distributions; this DFlash2 head "
+                             "drafts a path through its candidate selector (leave tree_budget out)")
+        self._trees = False  # set by bind: a tree_budget and a target that can verify trees
         self._embed = self._head = None
         self._embed_scale = 1.0
 
@@ -81,6 +96,7 @@ class DFlashDrafter(SavesState):
         # embedding norm (Muse Glimmer applies one after its raw embedding: not used here).
         self._embed, self._embed_scale = embedding(stack), float(getattr(stack, "embed_scale", 1.0))
         self._head = target_lm_head(model)
+        self._trees = self.tree_budget is not None and tree_verifiable(model)
         self.context.reset()
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
@@ -109,6 +125,8 @@ class DFlashDrafter(SavesState):
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
         h = self.hidden(y)[1 : k + 1]  # [k, H]
+        if self._trees:
+            return propose_tree(self.logits(h), sampling, self.tree_budget)
         if "candidate_selector" in self.context.net:  # DFlash2: a path through each row's top-k
             return self.context.net.candidate_selector.choose(h, self.logits(h), y, sampling,
                                                               self.sample_drafts)

@@ -28,9 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import deepseek_v41 as dsv4
-from mlx_lm.utils import infer_quant_config
 
-from ...weights import fp8_tile
+from ...weights import check_fit, fp8_tile, quantize_as_stored
 from ..spark_chain import SparkConfig
 from ..mtp.families import load_tensors, tensor_index
 from .drafter import V4DSparkDrafter
@@ -125,13 +124,6 @@ def stage_weights(raw: dict, args: dsv4.ModelArgs, stages: int) -> dict:
     return out
 
 
-def _quantize_as_stored(net: nn.Module, weights: dict) -> None:
-    """Quantize the modules whose tensors carry `.scales`, as mlx-lm's loader would."""
-    nn.quantize(net, class_predicate=lambda path, m: (
-        hasattr(m, "to_quantized") and f"{path}.scales" in weights
-        and infer_quant_config(path, m, weights)))
-
-
 def _quantize_like_target(net: nn.Module, model) -> None:
     """Unquantized stages of a quantized target: quantize each block module as the
     same module of the target's layer 0 (class, bits, group size, mode)."""
@@ -172,22 +164,11 @@ def _source_name(key: str, last: int) -> str:
 def _load_strict(net: nn.Module, weights: dict, model, folder) -> None:
     stored_quant = any(k.endswith(".scales") for k in weights)
     if stored_quant:
-        _quantize_as_stored(net, weights)
-    want = dict(tree_flatten(net.parameters()))
-    hint = "the folder does not hold this target's DeepSeek-V4 DSpark stages (or is damaged)"
-    for key in sorted(set(want) - set(weights)):
-        raise ValueError(f"{folder}: DSpark stage tensor {key} (checkpoint name "
-                         f"{_source_name(key, len(net.layers) - 1)}) is missing, "
-                         f"expected shape {tuple(want[key].shape)}; {hint}")
-    for key in sorted(set(weights) - set(want)):
-        raise ValueError(f"{folder}: unexpected DSpark stage tensor {key} "
-                         f"{tuple(weights[key].shape)}: no such parameter in stages built from "
-                         f"config.json; {hint}")
-    for key, value in want.items():
-        if tuple(weights[key].shape) != tuple(value.shape):
-            raise ValueError(f"{folder}: DSpark stage tensor {key} has shape "
-                             f"{tuple(weights[key].shape)}, expected {tuple(value.shape)} from "
-                             f"config.json; {hint}")
+        quantize_as_stored(net, weights)
+    last = len(net.layers) - 1
+    check_fit(dict(tree_flatten(net.parameters())), weights, "DSpark stage",
+              "the folder does not hold this target's DeepSeek-V4 DSpark stages (or is damaged)",
+              where=f"{folder}: ", source=lambda key: f"{key} (checkpoint name {_source_name(key, last)})")
     net.load_weights(list(weights.items()), strict=True)
     if not stored_quant:
         _quantize_like_target(net, model)

@@ -17,8 +17,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.utils import infer_quant_config
 
+from ...weights import check_fit, quantize_as_stored
 from .drafter import MTPDrafter
 from .families import (
     declared_modules,
@@ -100,21 +100,9 @@ def build_head(cfg: MTPConfig, args, weights: dict) -> MTPHead:
     head = make_head(cfg, args)
     # Quantized as stored: each module's bits, group size and mode read from its tensors
     # (a DeepSeek-V4 block mixes mxfp8 and mxfp4; `quantization` only says that some are).
-    nn.quantize(head, class_predicate=lambda path, m: (
-        hasattr(m, "to_quantized") and f"{path}.scales" in weights
-        and infer_quant_config(path, m, weights)))
-    want = dict(tree_flatten(head.parameters()))
-    missing = sorted(set(want) - set(weights))
-    extra = sorted(set(weights) - set(want))
-    if missing or extra:
-        raise ValueError(
-            f"MTP weights do not fit the {cfg.family} MTP module built from the target's "
-            f"config: missing {missing[:4]}, unexpected {extra[:4]}"
-        )
-    bad = [f"{k}: {tuple(weights[k].shape)} vs {tuple(v.shape)}" for k, v in want.items()
-           if tuple(weights[k].shape) != tuple(v.shape)]
-    if bad:
-        raise ValueError(f"MTP weights misshaped for this target: {bad[:3]}")
+    quantize_as_stored(head, weights)
+    check_fit(dict(tree_flatten(head.parameters())), weights, f"{cfg.family} MTP",
+              "were these MTP weights converted for this target (its config)?")
     head.load_weights(list(weights.items()), strict=True)
     mx.eval(head.parameters())
     head.eval()  # mlx-vlm's V4 block takes its decode path only outside training

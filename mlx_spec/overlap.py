@@ -1,0 +1,95 @@
+"""Evaluate a forward in pieces while the rest of it is still being built.
+
+Building a step's graph is host work: Python per layer, a few milliseconds for
+a 30-layer model. A speculative step cannot be built before the last one's
+result is read (its inputs and cache offsets depend on what was accepted), so
+unlike plain decoding it cannot hide that work behind the previous step. It
+can hide most of it behind itself: `overlapped(model)` wraps every few decoder
+layers of the model *instance* for one forward, and each wrapper queues its
+output for evaluation (`mx.async_eval`) as soon as it is built, so MLX
+evaluates layers 0..j while Python builds layer j+1 onwards. The values are
+untouched (the same operations in the same order; random draws are fixed when
+the graph is built, not when it is evaluated); only when they run changes.
+
+The wrappers are removed as soon as the graph is built, so the model's
+parameter tree is never seen with them. The context yields a `Queued` whose
+`at` says when the first piece was queued: from then on MLX had this step's
+work to do (`stats.host_ms_per_step`).
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from contextlib import contextmanager
+
+import mlx.core as mx
+
+from .taps import SeeThrough, decoder_stack
+
+PIECES = 8  # pieces per forward: more hides more building, each costs one async_eval
+
+
+class Queued:
+    at: float | None = None  # perf_counter() when the first piece was queued
+
+
+class _Kick(SeeThrough):
+    """Calls the wrapped layer and queues its output for evaluation."""
+
+    def __init__(self, inner, queued: Queued):
+        super().__init__(inner)
+        self.queued = queued  # a plain object: not a parameter
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.inner(x, *args, **kwargs)
+        if self.queued.at is None:
+            self.queued.at = time.perf_counter()
+        # Returns at once unless MLX already has many operations queued: then it waits for
+        # some to finish, which is time the evaluator was busy, not host time.
+        mx.async_eval(out[0] if isinstance(out, tuple) else out)
+        return out
+
+
+# id(stack) -> {layer index: wrapper}, reused step after step; the entry goes when the
+# stack does (a weak reference's callback), so a dropped model takes its wrappers with it.
+_kicks: dict[int, tuple[weakref.ref, dict[int, _Kick]]] = {}
+
+
+def _kick(stack, i: int, queued: Queued) -> _Kick:
+    key = id(stack)
+    entry = _kicks.get(key)
+    if entry is None or entry[0]() is not stack:
+        entry = _kicks[key] = (weakref.ref(stack, lambda _, key=key: _kicks.pop(key, None)), {})
+    kick = entry[1].get(i)
+    if kick is None or kick.inner is not stack.layers[i]:
+        kick = entry[1][i] = _Kick(stack.layers[i], queued)
+    kick.queued = queued
+    return kick
+
+
+@contextmanager
+def overlapped(model, pieces: int | None = None):
+    """For the forwards built inside: the first and every ceil(layers / pieces)-th decoder
+    layer of `model` queue their output as soon as it is built. Models without a layer list
+    run as they are."""
+    queued, pieces = Queued(), PIECES if pieces is None else pieces
+    if pieces < 1:
+        yield queued
+        return
+    try:
+        stack = decoder_stack(model)
+        layers = stack.layers
+    except ValueError:
+        yield queued
+        return
+    every = max(1, -(-len(layers) // pieces))
+    first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
+    saved = [(i, layers[i]) for i in sorted(first)]
+    try:
+        for i, layer in saved:
+            layers[i] = _kick(stack, i, queued)
+        yield queued
+    finally:
+        for i, layer in saved:
+            layers[i] = layer
