@@ -31,9 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="draft trees of this many nodes (1..16) from a block drafter's per-position "
-                   "distributions (DFlash, DSpark heads: DDTree-style); default: chains")
+    p.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                   help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with "
+                   "--draft-model or an EAGLE head, DDTree-style trees with a DFlash or DSpark head; "
+                   "default: chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
@@ -127,15 +128,10 @@ def _local_folder(model_path: str) -> str:
 def make_drafter(args, model, model_path: str):
     import mlx_spec
 
-    branches = getattr(args, "branches", 1)
-    if getattr(args, "tree_budget", None) is not None and args.draft_model is not None:
-        # (on this branch only block drafters take --tree-budget; the draft model's trees are
-        # another branch's work: drop this check when that lands)
-        raise ValueError("--tree-budget drafts trees with block drafters (a DFlash or DSpark head: "
-                         "--draft PATH or --draft dspark), not yet with --draft-model")
+    branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches)
+        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
         if args.draft == "ngram+model":  # both, merged into one draft tree per step
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter
@@ -144,8 +140,9 @@ def make_drafter(args, model, model_path: str):
     kind = args.draft or "ngram"
     tree_budget = getattr(args, "tree_budget", None)  # block drafters (head folders, dspark)
     if tree_budget is not None and kind in ("none", "ngram", "mtp"):
-        raise ValueError(f"--tree-budget drafts trees with block drafters (a DFlash or DSpark head: "
-                         f"--draft PATH or --draft dspark), not with --draft {kind}")
+        raise ValueError(f"--tree-budget drafts trees with a draft model (--draft-model PATH), an EAGLE "
+                         f"head or a block drafter (a DFlash or DSpark head: --draft PATH or --draft "
+                         f"dspark), not with --draft {kind}")
     options = {} if tree_budget is None else {"tree_budget": tree_budget}
     if branches != 1 and kind != "ngram":
         raise ValueError(f"--branches drafts trees with the n-gram and draft-model drafters; "

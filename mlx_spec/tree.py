@@ -79,9 +79,11 @@ class TreeCache:
         return self.inner.update_and_fetch(keys, values)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
+        """The block's N rows see every cached position before the tree's own columns (the
+        mask's last W: earlier tree rows already in the cache, then the block) in full."""
         if window_size is not None:
             raise ValueError("tree blocks do not support sliding-window layers")
-        before = mx.ones((N, self.inner.offset), mx.bool_)
+        before = mx.ones((N, self.inner.offset + N - self._mask.shape[1]), mx.bool_)
         return mx.concatenate([before, self._mask], axis=1)
 
 
@@ -140,18 +142,33 @@ def _ropes(model) -> list[tuple[object, str]]:
 
 def forward(model, cache: list, inputs: mx.array, parents: Sequence[int]) -> mx.array:
     """Logits [N+1, V] of a tree block `inputs` = [y, nodes...] (lazy)."""
-    ropes = _ropes(model)
+    return forward_block(model, cache, inputs, mx.array(ancestry(parents)), [0] + depths(parents))
+
+
+def forward_block(model, cache: list, inputs: mx.array, mask: mx.array, shifts: list[int]) -> mx.array:
+    """Logits [N, V] of N tokens appended to `cache` (lazy): row i attends to what `mask[i]`
+    ([N, W] booleans, may be lazy) allows among the cache's last W positions (the block's
+    included) and to everything before them, at position `offset + shifts[i]` (offset: the
+    cache's length before the block). A whole tree at once is W = N, shifts the depths; a
+    tree grown depth by depth (`mlx_spec.dynamic_tree`) appends one depth at a time."""
+    return call_block(model, cache, mask, shifts, lambda wrapped: model(inputs[None], cache=wrapped)[0])
+
+
+def call_block(module, cache: list, mask: mx.array, shifts: list[int], run):
+    """`run(wrapped cache)` (a forward of `module` over N rows, e.g. a drafter head's) with
+    `forward_block`'s mask and positions: the cache layers seen through `TreeCache`, the
+    module's ropes through `DepthRoPE` for this one call."""
+    ropes = _ropes(module)
     if not ropes:
-        raise ValueError(f"{type(model).__name__} has no rope modules to place tree nodes")
-    mask = mx.array(ancestry(parents))
+        raise ValueError(f"{type(module).__name__} has no rope modules to place tree nodes")
     wrapped = [TreeCache(c, mask) for c in cache]
-    plan = DepthPlan([0] + depths(parents))  # shared by every layer's rope
+    plan = DepthPlan(shifts)  # shared by every layer's rope
     originals = [(m, m[k]) for m, k in ropes]
     try:
         for m, k in ropes:
             m[k] = DepthRoPE(m[k], plan)
-        return model(inputs[None], cache=wrapped)[0]
-    finally:  # the graph is built: put the model back at once
+        return run(wrapped)
+    finally:  # the graph is built: put the module back at once
         for m, original in originals:
             m["rope"] = original
 

@@ -2,6 +2,7 @@
 
     python scripts/tree_bench.py [--model smollm2-135m-instruct] [--draft-model NAME]
         [--suites code-edit,chat,code-gen] [--prompts 4] [--max-tokens 96] [--k auto|K]
+        [--tree-budget N] [--tree-width W] [--methods plain,model,...]
 
 Methods (greedy; each prompt runs every method back to back, so ratios are taken
 under the same machine load):
@@ -10,6 +11,8 @@ under the same machine load):
   * ngram-tree   n-gram with branches=4 (several earlier matches as a trie);
   * model        draft-model chain                  (with --draft-model);
   * model-tree   draft model, branches=2            (with --draft-model);
+  * model-dyn    draft model, EAGLE-2 dynamic tree of --tree-budget nodes (default: k, or 8
+                 with auto), width --tree-width    (with --draft-model);
   * mixed        n-gram + draft model, one tree     (with --draft-model).
 Printed per suite and method: decode tokens/s (total tokens over total decode time),
 speed-up over plain, tau (tokens per target forward) and whether every output equals
@@ -34,6 +37,9 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=4, help="prompts per suite")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--k", default="auto", help="draft length (node budget for trees): auto or 1..16")
+    p.add_argument("--tree-budget", type=int, default=None, help="model-dyn's nodes (default: k, or 8)")
+    p.add_argument("--tree-width", type=int, default=4, help="model-dyn's expansion width (default: 4)")
+    p.add_argument("--methods", default=None, help="only these methods, comma-separated (plain always runs)")
     args = p.parse_args()
 
     import mlx_spec
@@ -47,8 +53,14 @@ def main() -> int:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         methods["model"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
         methods["model-tree"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok, branches=2)
+        budget = args.tree_budget or (8 if args.k == "auto" else int(args.k))
+        methods["model-dyn"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok, tree_budget=budget,
+                                                                  tree_width=args.tree_width)
         methods["mixed"] = lambda: mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(),
                                                          mlx_spec.DraftModelDrafter(draft, draft_tok))
+    if args.methods:
+        wanted = {"plain", *args.methods.split(",")}
+        methods = {m: make for m, make in methods.items() if m in wanted}
     k = args.k if args.k == "auto" else int(args.k)
     print(f"model {args.model}, draft model {args.draft_model}, k {k}, {args.max_tokens} tokens, "
           f"{args.prompts} prompts a suite")

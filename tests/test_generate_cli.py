@@ -144,3 +144,18 @@ def test_compare_prints_the_measured_speed_up_and_trees_and_mixed_drafters_run(f
     assert rc == 2 and "--branches drafts trees with the n-gram" in err
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--branches", "7")
     assert rc == 2 and "branches must be an integer in 1..4" in err
+
+
+def test_tree_budget_grows_dynamic_trees_with_a_draft_model_and_refuses_bad_values(folder, capsys):
+    rc, out, err = _run(folder, capsys, "--prompt", "w3 w4 w3 w4 w3", "-m", "6", "--compare",
+                        "--draft-model", str(folder), "--tree-budget", "6")
+    line = next(x for x in out.splitlines() if x.startswith("Compare:"))
+    assert rc == 0 and "x (same tokens" in line, err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--tree-budget", "6")
+    assert rc == 2 and "--tree-budget drafts trees with a draft model" in err and "not with --draft ngram" in err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft-model", str(folder),
+                      "--tree-budget", "0")
+    assert rc == 2 and "tree_budget must be an integer in 1..16" in err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft-model", str(folder),
+                      "--tree-budget", "6", "--branches", "2")
+    assert rc == 2 and "give one of them" in err

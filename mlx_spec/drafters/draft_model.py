@@ -6,18 +6,30 @@ its own filtered distribution `q` (argmax when greedy): k lazy steps, no host
 sync, so the draft joins the step's single graph. After verification it trims
 its cache to the committed prefix; a fully accepted block leaves d[k-1]
 unconsumed, so that token is queued for the next proposal.
+
+Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
+`tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
+(`mlx_spec.dynamic_tree`): each depth's frontier is fed in one forward with a tree mask
+over the draft's own cache, and after verification the accepted path's rows are gathered
+into place and the rest dropped. Either way the drafter records which token paths it fed
+to which rows of its cache; a chain is the tree whose fed rows are its first k - 1 tokens.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import logging
+
 import mlx.core as mx
 
+from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
 from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, vocab_size
+
+log = logging.getLogger("mlx_spec")
 
 
 class DraftModelDrafter(SavesState):
@@ -28,10 +40,16 @@ class DraftModelDrafter(SavesState):
     taps: tuple[int, ...] = ()
     max_draft = MAX_DRAFT
 
-    def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1):
+    def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1,
+                 tree_budget: int | None = None, tree_width: int = 4):
         if not (isinstance(branches, int) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
-        self.branches = branches
+        dynamic_tree.check_settings(tree_budget, tree_width)
+        if tree_budget is not None and branches != 1:
+            raise ValueError("branches (fixed runner-up leaves) and tree_budget (an EAGLE-2 dynamic "
+                             "tree) are two tree shapes: give one of them")
+        self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
+        self._grows = False  # tree_budget on a draft cache that can take tree blocks (`bind`)
         self.model = draft_model
         self.tokenizer = draft_tokenizer
         self.cache: list = []
@@ -54,16 +72,27 @@ class DraftModelDrafter(SavesState):
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
         self._pending, self._k = [], 0
+        self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
+        if self.tree_budget is not None and not self._grows:
+            log.warning("tree_budget: this draft model's cache is not plain KV layers (sliding-window "
+                        "or recurrent), so it drafts chains instead of dynamic trees")
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""
         with overlapped(self.model):  # evaluated in pieces while the next steps are built
-            logits = self.model(tokens[None], cache=self.cache)[0, -1]
+            return self._layout(self.model(tokens[None], cache=self.cache)[0, -1])
+
+    def _tree_logits(self, tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
+        """One depth of a dynamic tree fed at once ([w] tokens -> [w, V]; `dynamic_tree.Step`)."""
+        return self._layout(tree.forward_block(self.model, self.cache, tokens, mask, [shift] * tokens.shape[0]))
+
+    def _layout(self, logits: mx.array) -> mx.array:
+        """Logits over the draft's vocabulary [..., V_d] laid out over the target's."""
         if self._v_draft > self._v_target:  # padding rows no tokenizer id reaches
-            logits = logits[: self._v_target]
+            logits = logits[..., : self._v_target]
         elif self._v_draft < self._v_target:
-            pad = mx.full((self._v_target - self._v_draft,), -mx.inf, logits.dtype)
-            logits = mx.concatenate([logits, pad])
+            pad = mx.full((*logits.shape[:-1], self._v_target - self._v_draft), -mx.inf, logits.dtype)
+            logits = mx.concatenate([logits, pad], axis=-1)
         return logits
 
     def prefill(self, tokens: Sequence[int], taps) -> None:
@@ -76,8 +105,15 @@ class DraftModelDrafter(SavesState):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
-        self._pending = []
+        self._pending, self._rows = [], None
         b = self.branches
+        if self._grows:  # EAGLE-2: deeper where the draft is sure, wider where it is not
+            self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
+            budget = self.tree_budget
+            draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget),
+                                                  width=self.tree_width, budget=budget, sampling=sampling)
+            self._k = max(draft.size, 1)
+            return draft
         if b == 1 or k < 2:
             draft = chain(logits, k, sampling, self._logits)
             self._k, self._main = k, draft.tokens
@@ -99,17 +135,30 @@ class DraftModelDrafter(SavesState):
         if not self._k:  # nothing proposed this step: just queue what was kept
             self._pending += tokens
             return
-        # The draft consumed pending + [y] + its chain but the last token; it keeps the longest
-        # prefix of that which was committed (a tree's kept path may leave its chain) and
-        # queues the rest of the committed tokens.
-        fed = self._fed + self._main.tolist()[: self._k - 1]
-        committed = self._fed[:-1] + tokens
-        same = 0
-        while same < min(len(fed), len(committed)) and fed[same] == committed[same]:
-            same += 1
-        self._ckpt.keep(fed[:same], len(fed))
-        self._pending = committed[same:]
-        self._k, self._ckpt, self._main = 0, None, None
+        # The draft consumed pending + [y], then a block of rows: some node paths of the draft
+        # (a chain or fixed tree: its first k - 1 tokens, in order; a dynamic tree: each
+        # depth's frontier). It keeps the rows of the longest committed path it was fed,
+        # gathered into place when they are not already the block's first rows, and queues
+        # the rest of the committed tokens.
+        rows = self._rows
+        if rows is None:
+            main = self._main.tolist()[: self._k - 1]
+            rows = {tuple(main[: i + 1]): i for i in range(len(main))}
+        path, keep = [], []
+        for t in tokens[1:]:
+            row = rows.get(tuple(path + [t]))
+            if row is None:
+                break
+            path.append(t)
+            keep.append(row)
+        fed = len(self._fed) + len(rows)
+        if keep != list(range(len(keep))):
+            tree.compact(self.cache, self._base, keep)
+            fed = len(self._fed) + len(keep)
+        kept = self._fed + path
+        self._ckpt.keep(kept, fed)
+        self._pending = tokens[1 + len(path):]
+        self._k, self._ckpt, self._main, self._rows = 0, None, None, None
 
 
 def _check_same_vocab(target_tok, draft_tok) -> None:

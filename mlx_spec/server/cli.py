@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
+    p.add_argument("--tree-budget", type=int, default=None, metavar="N",
+                   help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with --draft-model or an "
+                   "EAGLE head, DDTree-style trees with a DFlash or DSpark head")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="default draft length: 1..16, or auto (default); requests may set their own")
     p.add_argument("--host", default="127.0.0.1",

@@ -34,8 +34,9 @@ def tap_id(value) -> int | str:
     raise ValueError(f"unknown tap id {value!r} in the head config (expected an int >= 0, {EMBED!r} or {FINAL_NORM!r})")
 
 
-def load(folder, config: dict, model) -> EagleDrafter:
-    """The drafter of a converted EAGLE head folder (weights loaded and evaluated)."""
+def load(folder, config: dict, model, tree_budget: int | None = None, tree_width: int = 4) -> EagleDrafter:
+    """The drafter of a converted EAGLE head folder (weights loaded and evaluated); with
+    `tree_budget` it drafts EAGLE-2 dynamic trees of that many nodes."""
     folder = Path(folder)
     kind = config["mlx_spec"]["drafter"]
     path = folder / "model.safetensors"
@@ -51,7 +52,7 @@ def load(folder, config: dict, model) -> EagleDrafter:
         raise ValueError(f"{folder}: weights do not fit its config.json ({e}); convert the head again") from e
     mx.eval(head.parameters(), *([d2t] if d2t is not None else []))
     taps = [tap_id(t) for t in config["mlx_spec"]["taps"]]
-    return EagleDrafter(head, taps, config, draft_to_target=d2t)
+    return EagleDrafter(head, taps, config, draft_to_target=d2t, tree_budget=tree_budget, tree_width=tree_width)
 
 
 __all__ = ["EagleDrafter", "Eagle1Head", "Eagle3Head", "load", "tap_id"]

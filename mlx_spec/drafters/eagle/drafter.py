@@ -15,6 +15,11 @@ trims those chained positions (their features were the head's guesses) and
 queues the target's real features of the kept tokens. The proposal stays
 lazy: nothing is read to the host.
 
+With `tree_budget=N` it grows an EAGLE-2 dynamic tree instead (`mlx_spec.dynamic_tree`):
+each depth's frontier is fed in one head forward, every row pairing its token with the
+feature its parent's row produced, under a tree mask over the head's cache; `commit`
+drops all those rows as it drops a chain's, since only the target's features are kept.
+
 EAGLE-3 drafts over its own vocabulary: a draft id i is target id
 `draft_to_target[i]`, and `q` is the draft distribution scattered into a zero
 vector over the target vocabulary (tokens outside the draft vocabulary get 0).
@@ -27,6 +32,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from ... import dynamic_tree, tree
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import decoder_stack, embedding
@@ -42,7 +48,10 @@ class EagleDrafter(SavesState):
 
     max_draft = MAX_DRAFT
 
-    def __init__(self, head, taps: Sequence, config: dict, draft_to_target: mx.array | None = None):
+    def __init__(self, head, taps: Sequence, config: dict, draft_to_target: mx.array | None = None,
+                 tree_budget: int | None = None, tree_width: int = 4):
+        dynamic_tree.check_settings(tree_budget, tree_width)
+        self.tree_budget, self.tree_width = tree_budget, tree_width
         self.head = head
         self.taps = tuple(taps)
         self.config = config  # the head folder's config (dimensions, target identity)
@@ -96,6 +105,8 @@ class EagleDrafter(SavesState):
         feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
         self._feats, self._toks, self._y_fed = None, [], True
         feat = feat[:, -1:]  # [1, 1, H]
+        if self.tree_budget is not None:
+            return self._grow(feat[0], self._lm(out[0, -1]), k, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the head's own feature at the next position
             nonlocal feat
@@ -104,6 +115,25 @@ class EagleDrafter(SavesState):
 
         self._chained = k - 1
         return chain(self._lm(out[0, -1]), k, sampling, step, self._pick)
+
+    def _grow(self, feat: mx.array, logits: mx.array, k: int, sampling: Sampling) -> Draft:
+        """An EAGLE-2 dynamic tree from the root's feature [1, H] and logits."""
+        base, fed = self.cache[0].offset, [feat]  # fed[-1]: the features the last depth produced
+
+        def step(tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
+            w = tokens.shape[0]
+            parent = mx.broadcast_to(fed[-1], (w, fed[-1].shape[-1])) if slots is None else fed[-1][slots]
+            emb = self._embed(tokens[None])
+            nxt, out = tree.call_block(self.head, self.cache, mask, [shift] * w,
+                                       lambda cache: self.head(emb, parent[None], cache))
+            fed.append(nxt[0])
+            return self._lm(out[0])
+
+        budget = self.tree_budget
+        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
+                                     sampling=sampling, token_ids=self._d2t)
+        self._chained = self.cache[0].offset - base  # every tree row: commit drops them all
+        return draft
 
     def _pick(self, logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:
         """Draft token (a target id) from head logits [V'], and q [V_target] when sampling."""

@@ -21,8 +21,9 @@ read from. What differs is the feature and the logits:
 Invariant: parameter names equal the converted folder's tensor names (the
 converter renames checkpoints onto them), and every call appends its T
 positions to the head's own KV cache at the cache's offset (= the target
-position of the first row). Non-goals: tree attention (EAGLE-2's dynamic
-tree), training-time options that do not change inference.
+position of the first row). Tree attention (EAGLE-2's dynamic tree) goes through
+the cache's `make_mask` and the ropes (`mlx_spec.tree.call_block`), not through the
+heads. Non-goals: training-time options that do not change inference.
 """
 
 from __future__ import annotations

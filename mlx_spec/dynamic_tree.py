@@ -1,0 +1,138 @@
+"""EAGLE-2 dynamic draft trees: grown where the drafter is sure, widened where it is not.
+
+The rule is EAGLE-2's (Li et al. 2024, "EAGLE-2: Faster Inference of Language Models with
+Dynamic Draft Trees", arXiv 2406.16858). A node's value is its path's cumulative draft
+probability, the product of the drafter's probabilities along the path (summed logs here).
+
+* Expand: the root's `width` most probable tokens are depth 1. At every further depth the
+  `width` nodes of the last depth with the highest values (the frontier) are fed to the
+  drafter in one batched forward, each seeing only its own ancestors (`step`), and each
+  gets its `width` most probable tokens as children: width * width candidates.
+* Rerank: of every node generated, the `budget` with the highest values are kept (ties go
+  to the shallower node, so a node's ancestors, whose values are never lower, always come
+  before it), listed breadth-first, siblings by value (the first branch is the drafter's
+  best path: `tree.as_chain`).
+
+Everything up to the rerank is lazy (one graph for all depths); the rerank reads the
+candidates' values and tokens on the host (one sync per proposal), because the verify
+forward needs the tree's shape as host indices. Siblings are always distinct tokens (the
+top tokens of one row), which the tree walk needs. With `width` 1 the tree is the greedy
+chain. Candidates are point masses (`Draft.q` is None): the walk is lossless whatever
+they are, so how they are chosen only changes speed.
+
+`grow` returns, with the draft, the tree rows the drafter was fed (node path -> row in the
+block appended to its cache), so it can keep exactly the accepted path's rows.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from .drafters.base import Draft
+from .sampling import Sampling
+
+# step(tokens [w], slots, mask [w, W], shift) -> logits [w, V]: feed one depth's frontier,
+# where row i is a child of row slots[i] of the depth fed before (slots: lazy [w] indices;
+# None for depth 1, the root's children), sees the W tree rows fed so far (this depth's
+# included) that mask[i] allows, and sits at position (cache length before the depth) + shift.
+Step = Callable[[mx.array, "mx.array | None", mx.array, int], mx.array]
+
+
+def check_settings(tree_budget, tree_width) -> None:
+    """A drafter's `tree_budget` / `tree_width` arguments, refused with a clear error."""
+    from .cache import MAX_DRAFT
+
+    if tree_budget is not None and not (isinstance(tree_budget, int) and 1 <= tree_budget <= MAX_DRAFT):
+        raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (nodes verified a step) "
+                         f"or None (no dynamic tree), got {tree_budget!r}")
+    if not (isinstance(tree_width, int) and 1 <= tree_width <= 8):
+        raise ValueError(f"tree_width must be an integer in 1..8, got {tree_width!r}")
+
+
+def scores(logits: mx.array, sampling: Sampling) -> mx.array:
+    """Log-probabilities a node's children are ranked by: the drafter's own distribution,
+    filtered and tempered as the target's when sampling (filtered-out tokens: -inf)."""
+    if sampling.greedy:
+        x = logits.astype(mx.float32)
+        return x - mx.logsumexp(x, axis=-1, keepdims=True)
+    return mx.log(sampling.probs(logits))
+
+
+def _top(x: mx.array, w: int) -> mx.array:
+    """Indices of the w largest entries of each row, largest first."""
+    idx = mx.argpartition(-x, kth=w - 1, axis=-1)[..., :w]
+    order = mx.argsort(-mx.take_along_axis(x, idx, axis=-1), axis=-1)
+    return mx.take_along_axis(idx, order, axis=-1)
+
+
+def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: int,
+         sampling: Sampling, token_ids: mx.array | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
+    """A dynamic tree of at most `budget` nodes and `depth` levels below the root whose
+    next-token logits are `root_logits` [V]; (the draft, {node path: fed row}). `token_ids`
+    maps the logits' index to a target token id (a head's own smaller vocabulary)."""
+    w = max(1, min(width, budget, root_logits.shape[-1]))
+
+    def ids(i: mx.array) -> mx.array:
+        return (i if token_ids is None else token_ids[i]).astype(mx.uint32)
+
+    lq = scores(root_logits, sampling)
+    top = _top(lq, w)
+    tok, val = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
+    slots = None
+    levels = [(tok, val)]  # per depth: every candidate's token and value
+    fronts = []  # per depth < `depth`: the frontier's candidate indices (depth 1: all, in order)
+    anc = mx.eye(w, dtype=mx.bool_)  # the frontier's ancestry over the tree rows fed so far
+    front_tok, front_val = tok, val
+    for d in range(2, depth + 1):
+        fronts.append(mx.arange(w) if d == 2 else sel)
+        # the depth d - 1 frontier sits at position base + d - 2; the cache holds (d - 2) * w tree rows
+        lq = scores(step(front_tok, slots, anc, (d - 2) * (1 - w)), sampling)  # [w, V]
+        kids = _top(lq, w)  # [w, w]
+        c_val = (mx.take_along_axis(lq, kids, axis=-1) + front_val[:, None]).reshape(-1)
+        c_tok = ids(kids.reshape(-1))
+        levels.append((c_tok, c_val))
+        if d < depth:
+            sel = _top(c_val, w)  # the next frontier: the depth's w best candidates
+            slots = sel // w
+            anc = mx.concatenate([anc[slots], mx.eye(w, dtype=mx.bool_)], axis=1)
+            front_tok, front_val = c_tok[sel], c_val[sel]
+    mx.eval(levels, fronts)  # the one sync: the tree's shape is needed on the host
+    return select([(t.tolist(), v.tolist()) for t, v in levels], [f.tolist() for f in fronts], w, budget)
+
+
+def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]], w: int,
+           budget: int) -> tuple[Draft, dict[tuple[int, ...], int]]:
+    """The host half of `grow`: rerank every candidate, keep the best `budget`, list them
+    breadth-first. Candidate c of depth d >= 2 is child c % w of frontier slot c // w of
+    depth d - 1, i.e. of candidate fronts[d - 2][c // w] of that depth."""
+    cands = []  # (-value, depth, index) of every finite candidate
+    for d, (_, vals) in enumerate(levels, 1):
+        cands += [(-v, d, c) for c, v in enumerate(vals) if np.isfinite(v)]
+    chosen = sorted(cands)[:budget]  # by value, ties to the shallower node
+
+    def parent(d: int, c: int):
+        return None if d == 1 else (d - 1, fronts[d - 2][c // w])
+
+    def path(d: int, c: int) -> tuple[int, ...]:
+        out = []
+        node = (d, c)
+        while node is not None:
+            out.append(levels[node[0] - 1][0][node[1]])
+            node = parent(*node)
+        return tuple(reversed(out))
+
+    index: dict[tuple[int, int], int] = {}
+    tokens, parents = [], []
+    for d in range(1, len(levels) + 1):
+        here = [(index.get(parent(d, c), -1), v, c) for v, dd, c in chosen if dd == d]
+        for p, _, c in sorted(here):  # parents' order, then by value
+            if d > 1 and parent(d, c) not in index:
+                raise AssertionError("a kept node's parent was not kept")  # values are monotone
+            index[(d, c)] = len(tokens)
+            tokens.append(levels[d - 1][0][c])
+            parents.append(p)
+    fed = {path(d + 1, c): d * w + s for d, front in enumerate(fronts) for s, c in enumerate(front)}
+    return Draft(mx.array(tokens, mx.uint32), parents=tuple(parents)), fed

@@ -1,0 +1,241 @@
+"""EAGLE-2 dynamic draft trees (`DraftModelDrafter(tree_budget=N)`): the nodes kept are exactly
+the top-N by cumulative draft probability under EAGLE-2's expansion rule (against a NumPy
+brute force), the draft's cache keeps exactly the accepted path, and the output is the
+target's: greedy token for token, sampled by the chi-square harness."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+import lossless as L
+import mlx_spec
+import tiny
+from mlx_spec import dynamic_tree, tree
+from mlx_spec.sampling import Sampling
+from runs import mlx_lm_greedy as reference
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7, 2, 5, 6]
+
+
+def brute_force(logits_of, depth: int, width: int, budget: int) -> set[tuple[int, ...]]:
+    """EAGLE-2 by enumeration, in float64: expand the `width` best nodes of each depth by
+    cumulative log-probability with their `width` best tokens, keep the `budget` best of all."""
+    def logq(path):
+        x = np.asarray(logits_of(path), np.float64)
+        return x - np.log(np.exp(x - x.max()).sum()) - x.max()
+
+    value, frontier = {(): 0.0}, [()]
+    for _ in range(depth):
+        born = {}
+        for p in frontier:
+            lq = logq(p)
+            for t in np.argsort(-lq)[:width]:
+                born[p + (int(t),)] = value[p] + lq[t]
+        value.update(born)
+        frontier = sorted(born, key=lambda q: -born[q])[:width]
+    del value[()]
+    return set(sorted(value, key=lambda q: (-value[q], len(q)))[:budget])
+
+
+def paths_of(draft) -> list[tuple[int, ...]]:
+    tokens, out = draft.tokens.tolist(), []
+    for j, p in enumerate(draft.parents):
+        out.append((out[p] if p >= 0 else ()) + (tokens[j],))
+    return out
+
+
+def check_shape(draft, logits_of):
+    """Breadth-first, siblings distinct and by decreasing draft probability."""
+    tree.depths(draft.parents)
+    tokens = draft.tokens.tolist()
+    for row, kids in enumerate(tree.children(draft.parents)):
+        assert len({tokens[j] for j in kids}) == len(kids)
+        if len(kids) > 1:
+            parent = () if row == 0 else paths_of(draft)[row - 1]
+            lq = np.asarray(logits_of(parent))
+            assert all(lq[tokens[a]] >= lq[tokens[b]] for a, b in zip(kids, kids[1:]))
+
+
+class Synthetic:
+    """A drafter's `step` over a fixed random table: the logits of a path are a function of
+    the path alone, found from the mask (the row's ancestors among the rows fed so far)."""
+
+    def __init__(self, vocab=40, seed=0):
+        self.vocab, self.seed, self.fed = vocab, seed, []
+
+    def logits_of(self, path):
+        rng = np.random.default_rng([self.seed, len(path), *path])
+        return (3.0 * rng.standard_normal(self.vocab)).astype(np.float32)
+
+    def step(self, tokens, slots, mask, shift):
+        tokens, mask = tokens.tolist(), np.array(mask)
+        w, W = mask.shape
+        self.fed += tokens
+        assert W == len(self.fed)
+        if slots is None:
+            assert W == w  # depth 1: the root's children
+        else:  # each row's parent: its slot among the depth fed before
+            assert all(mask[i, W - 2 * w + p] for i, p in enumerate(slots.tolist()))
+        rows = []
+        for i in range(w):
+            path = tuple(self.fed[j] for j in range(W) if mask[i, j])
+            assert path[-1] == tokens[i] and (W - w) + shift == len(path) - 1  # its position
+            rows.append(self.logits_of(path))
+        return mx.array(np.stack(rows))
+
+
+@pytest.mark.parametrize("depth, width, budget, seed",
+                         [(4, 3, 8, 0), (6, 4, 12, 1), (5, 2, 16, 2), (3, 8, 16, 3), (8, 1, 8, 4), (1, 4, 3, 5)])
+def test_kept_nodes_are_the_top_budget_by_cumulative_probability(depth, width, budget, seed):
+    s = Synthetic(seed=seed)
+    draft, fed = dynamic_tree.grow(mx.array(s.logits_of(())), s.step, depth=depth, width=width,
+                                   budget=budget, sampling=Sampling())
+    want = brute_force(s.logits_of, depth, min(width, budget), budget)
+    assert set(paths_of(draft)) == want and draft.size == len(want)
+    check_shape(draft, s.logits_of)
+    assert max(tree.depths(draft.parents)) >= min(2, depth)
+    # every fed row is a frontier node, at its depth's rows
+    assert sorted(fed.values()) == list(range(len(s.fed)))
+    assert all(s.fed[row] == path[-1] for path, row in fed.items())
+    if width == 1:
+        assert tree.is_chain(draft.parents)  # the greedy chain is the width-1 tree
+
+
+def test_a_wrong_rule_fails_the_brute_force(monkeypatch):
+    """The comparison has power: ranking by another distribution than the drafter's (here
+    its logits at temperature 4) keeps other nodes."""
+    monkeypatch.setattr(dynamic_tree, "scores", lambda logits, sampling: mx.log(mx.softmax(logits / 4, axis=-1)))
+    s = Synthetic(seed=7)
+    draft, _ = dynamic_tree.grow(mx.array(s.logits_of(())), s.step, depth=5, width=3, budget=10,
+                                 sampling=Sampling())
+    assert set(paths_of(draft)) != brute_force(s.logits_of, 5, 3, 10)
+
+
+def noisy_draft(seed=3, scale=2.0):
+    draft = tiny.llama_model(seed=2)
+    draft.lm_head.weight = draft.lm_head.weight + scale * mx.random.normal(draft.lm_head.weight.shape,
+                                                                           key=mx.random.key(seed))
+    return draft
+
+
+def test_a_real_draft_model_grows_the_brute_force_tree():
+    """Each depth's frontier fed in one forward over the draft's cache with a tree mask gives
+    each node the logits of a forward over its own path."""
+    target, draft = tiny.llama_model(seed=2), noisy_draft()
+    d = mlx_spec.DraftModelDrafter(draft, tree_budget=10, tree_width=3)
+    d.bind(target, None)
+    d.prefill(PROMPT, None)
+    proposal = d.propose(11, 6, Sampling())
+
+    def logits_of(path):
+        return np.array(draft(mx.array([PROMPT + [11, *path]]))[0, -1])
+
+    assert set(paths_of(proposal)) == brute_force(logits_of, 6, 3, 10)
+    assert max(tree.depths(proposal.parents)) >= 3
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_the_draft_cache_after_commit_is_a_fresh_forward_over_the_accepted_tokens(width):
+    target, draft = tiny.llama_model(seed=2), noisy_draft()
+    probe = mlx_spec.DraftModelDrafter(draft, tree_budget=9, tree_width=width)
+    probe.bind(target, None)
+    probe.prefill(PROMPT, None)
+    nodes = paths_of(probe.propose(11, 5, Sampling()))
+    assert len(nodes) == (9 if width > 1 else 5)  # width 1: a chain of k
+    for path in [()] + nodes:
+        for split in sorted({0, len(path)}):  # the loop may commit a prefix, then the rest
+            d = mlx_spec.DraftModelDrafter(draft, tree_budget=9, tree_width=width)
+            d.bind(target, None)
+            d.prefill(PROMPT, None)
+            d.propose(11, 5, Sampling())
+            kept = [11, *path]
+            d.commit(kept[: split + 1], None)
+            if split < len(path):
+                d.commit(kept[split + 1 :], None)
+            seen = PROMPT + kept
+            n = d.cache[0].offset
+            assert seen[n:] == d._pending, (path, split)
+            fresh = [KVCache() for _ in draft.layers]
+            draft(mx.array([seen[:n]]), cache=fresh)
+            for c, f in zip(d.cache, fresh):
+                np.testing.assert_allclose(np.array(c.keys[..., :n, :]), np.array(f.keys[..., :n, :]), atol=1e-4)
+                np.testing.assert_allclose(np.array(c.values[..., :n, :]), np.array(f.values[..., :n, :]), atol=1e-4)
+            # and it drafts on from there as a fresh drafter would
+            again = d.propose(7, 3, Sampling())
+            d2 = mlx_spec.DraftModelDrafter(draft, tree_budget=9, tree_width=width)
+            d2.bind(target, None)
+            d2.prefill(seen, None)
+            assert paths_of(again) == paths_of(d2.propose(7, 3, Sampling()))
+
+
+@pytest.mark.parametrize("budget, width, k", [(8, 4, 8), (6, 2, 8), (5, 1, 8), (1, 4, 4), (16, 8, 16), (12, 3, "auto")])
+def test_greedy_through_dynamic_trees_is_plain_decoding(budget, width, k):
+    target = tiny.llama_model(seed=2)
+    want = reference(target, PROMPT, 40)
+    d = mlx_spec.DraftModelDrafter(noisy_draft(), tree_budget=budget, tree_width=width)
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=40,
+                                        num_draft_tokens=k, seed=0))
+    assert [r.token for r in out] == want
+    s = out[-1].stats
+    assert s.accepted > 0
+    assert (s.tree_steps > 0) == (width > 1 and budget > 1)
+
+
+def test_greedy_on_smollm2_with_a_perturbed_copy_as_draft(smollm2, smollm2_path):
+    model, tok = smollm2
+    draft, _ = mlx_spec.load(str(smollm2_path))
+    norm = draft.model.norm
+    norm.weight = norm.weight * (1 + 0.3 * mx.random.normal(norm.weight.shape, key=mx.random.key(0)))
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in detail how rivers form."}],
+                                     add_generation_prompt=True)
+    want = reference(model, prompt, 60)
+    d = mlx_spec.DraftModelDrafter(draft, tok, tree_budget=8)
+    out = list(mlx_spec.stream_generate(model, tok, prompt, d, max_tokens=60, num_draft_tokens=8, trace=True))
+    got = [r.token for r in out]
+    assert len(got) >= 40 and got == want[: len(got)]  # (plain decoding by mlx-lm does not stop at EOS)
+    s = out[-1].stats
+    assert s.tree_steps > 0 and s.tau > 1.5
+
+
+def test_bad_tree_settings_are_refused():
+    draft = tiny.llama_model(seed=2)
+    for bad in (0, 17, 2.5, "8"):
+        with pytest.raises(ValueError, match="tree_budget"):
+            mlx_spec.DraftModelDrafter(draft, tree_budget=bad)
+    with pytest.raises(ValueError, match="tree_width"):
+        mlx_spec.DraftModelDrafter(draft, tree_budget=8, tree_width=0)
+    with pytest.raises(ValueError, match="give one of them"):
+        mlx_spec.DraftModelDrafter(draft, branches=2, tree_budget=8)
+
+
+def test_a_sliding_window_draft_falls_back_to_chains():
+    target, draft = tiny.gemma3_model(), tiny.gemma3_model(seed=1)
+    d = mlx_spec.DraftModelDrafter(draft, tree_budget=8)
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=20, num_draft_tokens=4))
+    assert [r.token for r in out] == reference(target, PROMPT, 20)
+    assert out[-1].stats.tree_steps == 0
+
+
+@pytest.mark.slow
+def test_sampled_dynamic_trees_keep_the_targets_law():
+    prompt = [1, 2, 3, 1, 2]
+    model, draft = L.v8_llama(), L.v8_llama(sharpen=1.0)
+    joint = L.exact_joint(model, prompt, 5, dict(temp=1.0), vocab=8)
+    runs = L.sampled_runs(model, prompt, lambda: mlx_spec.DraftModelDrafter(draft, tree_budget=6, tree_width=2),
+                          800, max_tokens=5, k=4, vocab=8, temp=1.0)
+    steps = list(itertools.chain.from_iterable(runs.traces))
+    deep = sum(t.accepted >= 2 for t in steps)
+    assert deep > 100, deep  # paths of two nodes or more were accepted
+    L.assert_lossless(runs, joint)
+
+
+def test_a_recurrent_draft_still_drafts_chains():
+    target, draft = tiny.llama_model(seed=2), tiny.qwen3_5_model()
+    for budget in (None, 8):
+        d = mlx_spec.DraftModelDrafter(draft, tree_budget=budget)
+        out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=12, num_draft_tokens=4))
+        assert [r.token for r in out] == reference(target, PROMPT, 12)
+        assert out[-1].stats.tree_steps == 0
