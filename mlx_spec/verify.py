@@ -177,6 +177,8 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
         rows[0].last = (ckpt, kept[0])
     else:
         ckpt.keep([len(k) for k in kept], T)
+        for row in rows:
+            row.last = None  # a batch row rolls back as its batch cache, not a solo step
     for row, k in zip(rows, kept):
         row.fed(k)
         row.sync_seconds += wait

@@ -112,9 +112,8 @@ def test_a_seeded_row_samples_the_same_alone_or_in_a_batch():
     assert out[uid] == solo and max(widths) == 3
 
 
-@pytest.mark.parametrize("name", ["window", "hybrid"])
-def test_caches_that_cannot_merge_are_served_one_at_a_time(name):
-    model = {"window": lambda: tiny.gemma3_model(window=8), "hybrid": tiny.qwen3_5_model}[name]()
+def test_caches_that_cannot_merge_are_served_one_at_a_time():
+    model = tiny.qwen3_5_model()  # recurrent layers (sliding windows: test_batch_window.py)
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=4)
     uids = [decoder.add(p, NGramDrafter(min_n=1), max_tokens=20) for p in PROMPTS[:3]]
     out, widths = drain(decoder)
