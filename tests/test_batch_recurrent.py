@@ -27,9 +27,9 @@ def hybrid():
     return _model["m"]
 
 
-def near(scale=0.2):
+def near(scale=0.2, **kw):
     """The target with a noisy LM head: a draft model that is right about half the time."""
-    d = tiny.qwen3_5_model()
+    d = tiny.qwen3_5_model(**kw)
     head = d.language_model.lm_head
     mx.random.seed(7)
     head.weight = head.weight + scale * mx.random.normal(head.weight.shape)
@@ -173,12 +173,30 @@ def test_ragged_recurrent_rollback_equals_each_rows_fresh_cache(blocks, lengths,
         np.testing.assert_allclose(alone, want, rtol=1e-4, atol=1e-4)
 
 
+def test_seeded_rows_sample_the_same_alone_or_in_the_batch():
+    """Sampled rows that reject and replay: each seeded row's tokens are its solo run's."""
+    model = hybrid()
+    cases = [(PROMPTS[0], dict(temp=1.0), lambda: DraftModelDrafter(near())),
+             (PROMPTS[1], dict(temp=0.7, top_p=0.9), lambda: NGramDrafter(min_n=1)),
+             (PROMPTS[2], dict(temp=1.3), lambda: DraftModelDrafter(model))]
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3)
+    uids = [decoder.add(p, make(), max_tokens=20, num_draft_tokens=3, seed=5, **kw)
+            for p, kw, make in cases]
+    out, widths = drain(decoder)
+    assert max(widths) == 3
+    for (p, kw, make), uid in zip(cases, uids):
+        solo = mlx_spec.stream_generate(model, tiny.tokenizer(), p, make(), max_tokens=20,
+                                        num_draft_tokens=3, seed=5, **kw)
+        assert out[uid] == [r.token for r in solo]
+    assert 0 < decoder.last_stats[uids[0]].acceptance_rate < 1
+
+
 @pytest.mark.slow
 def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
     """Rows of a hybrid target with different drafters and temperatures in one batch keep
     the target's law; a wrong rule fails it."""
     model = tiny.qwen3_5_model(seed=3, vocab=8)
-    draft = tiny.qwen3_5_model(seed=4, vocab=8)  # another network: it is often wrong
+    draft = near(1.0, seed=3, vocab=8)  # ~70% of its drafts accepted: rejections matter
     cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft)),
              ([4, 5, 6], dict(temp=0.8, top_p=0.9), lambda: DraftModelDrafter(draft)),
              ([4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
