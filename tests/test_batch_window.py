@@ -100,7 +100,7 @@ def test_a_row_leaving_the_batch_keeps_its_window_in_its_prompt_cache(small_buff
     assert got == reference(model, PROMPTS[1] + out[a] + [3], 20)
 
 
-def test_windows_with_sinks_and_recurrent_rows_are_still_served_one_at_a_time():
+def test_windows_with_sink_positions_are_still_served_one_at_a_time():
     model = tiny.qwen2_model()  # max_kv_size: a window whose first 4 positions stay visible
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3)
     for p in PROMPTS:
