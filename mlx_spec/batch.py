@@ -12,10 +12,10 @@ Each step: at most one prefill chunk of a newly added row (a long prompt never
 stalls the others for long), then one verify forward over every decoding row,
 each with its own draft (its own drafter, length, sampling and seed), and each
 row keeps exactly its own accepted prefix (`mlx_spec.batch_cache`). A single
-row is the batch of one: its own cache, any cache kind. Rows whose caches
-cannot be merged (sliding windows, recurrent layers, `kv_bits`, `max_kv_size`)
-decode one at a time, in turn with the batch. `stream_generate` is this loop
-with one row.
+row is the batch of one: its own cache, any cache kind. Plain KV, sliding-window
+and recurrent layers merge into a batch; rows whose caches cannot be merged
+(`kv_bits`, `max_kv_size`, DeepSeek-V4.1's layer cache) decode one at a time, in
+turn with the batch. `stream_generate` is this loop with one row.
 """
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ class BatchDecoder:
         solo = not self._batchable(row) or not self._batchable(self.active[0])
         if solo and not self._said_solo:
             self._said_solo = True
-            log.info("this model or request cannot decode in a batch (its cache is not plain KV); "
+            log.info("this model or request cannot decode in a batch (its cache is quantized, "
+                     "keeps sink positions, or is not KV, window or recurrent); "
                      "requests are served one at a time")
         return not solo and len(self.active) < self.max_batch
 

@@ -1,39 +1,72 @@
 """Several rows' target caches as one batch, and per-row (ragged) roll-back.
 
 Rows decode in one forward when every layer of their caches is a plain
-`KVCache`: the rows' caches are merged into mlx-lm's `BatchKVCache` layers
-(left-padded, one write index, a position offset per row). A verify step
-appends T = 1 + the longest draft to every row; row i keeps `kept[i]` of them.
-`BatchCheckpoint.keep` trims what every row rejected and rolls each row's
-remaining rejected tail off its end (mlx-lm's right-padding `prepare` and
-`finalize`), so every row ends at the shared write index again, its dropped
-positions now masked left padding. Other cache kinds (sliding windows,
-recurrent state, quantized KV) decode one row at a time.
+`KVCache`, a sliding-window `WindowKVCache` without sink positions, or a
+recurrent `ArraysCache` (GatedDeltaNet, Mamba, short convolutions): KV layers
+merge into mlx-lm's `BatchKVCache` (left-padded, one write index, a position
+offset per row), window layers into `BatchWindowKVCache` (`mlx_spec.batch_window`:
+the same layout, a windowed mask), recurrent layers into one `ArraysCache` whose
+state arrays have a row per request.
+
+A verify step appends T = 1 + the longest draft to every row; row i keeps
+`kept[i]` of them. `BatchCheckpoint.keep` trims what every row rejected and
+rolls each row's remaining rejected tail off its end (mlx-lm's right-padding
+`prepare` and `finalize`), so every row ends at the shared write index again,
+its dropped positions now masked left padding. A recurrent state cannot drop
+positions: the checkpoint holds each layer's state from before the block, and
+the rows that rejected part of their block (only those) are replayed from it
+over their kept tokens in one forward of their own (right-padded, each row's
+recurrent update stopped at its own length by `ArraysCache.lengths`, their KV
+layers a copy of those rows before the block); their new states are written
+into the batch. Their KV layers keep the block's own entries for the kept
+positions (a recurrent layer is causal: what it passed up at a kept position
+did not depend on the rejected ones). Rows that kept everything need nothing.
+
+Quantized KV (`kv_bits`: mlx-lm has no batch form of `QuantizedKVCache`) and
+windows with sink positions (`max_kv_size`) decode one row at a time.
 """
 
 from __future__ import annotations
 
-from mlx_lm.models.cache import BatchKVCache, KVCache
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+from .batch_window import BatchWindowKVCache
+from .cache import WindowKVCache
+
+
+def _mergeable(c) -> bool:
+    return type(c) in (KVCache, ArraysCache) or (type(c) is WindowKVCache and c.keep == 0)
 
 
 def batchable(cache: list) -> bool:
     """Whether rows with this cache can be merged into a batch."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+    return bool(cache) and all(_mergeable(c) for c in cache)
+
+
+def _merge_layer(layer: list):
+    if isinstance(layer[0], WindowKVCache):
+        return BatchWindowKVCache.merge(layer)
+    if isinstance(layer[0], ArraysCache):
+        return ArraysCache.merge(layer)
+    return BatchKVCache.merge(layer)
 
 
 def merge(caches: list[list]) -> list:
-    """Per-layer `BatchKVCache`s holding the rows' caches (copied), in order."""
-    return [BatchKVCache.merge(list(layer)) for layer in zip(*caches)]
+    """Per-layer batch caches holding the rows' caches (copied), in order."""
+    return [_merge_layer(list(layer)) for layer in zip(*caches)]
 
 
 def join(batch: list, cache: list) -> None:
     """Append one row's cache (copied) to the batch."""
     for b, c in zip(batch, cache):
-        b.extend(BatchKVCache.merge([c]))
+        b.extend(_merge_layer([c]))
 
 
 def extract(batch: list, i: int) -> list:
-    """Row i's cache as plain `KVCache` layers (a copy)."""
+    """Row i's cache as solo layers (`KVCache`, `WindowKVCache`, `ArraysCache`; a copy)."""
     return [b.extract(i) for b in batch]
 
 
@@ -45,23 +78,93 @@ def remove(batch: list, i: int, rows: int) -> None:
 
 
 class BatchCheckpoint:
-    """The batch cache before a verify block: restore it, or keep a prefix per row."""
+    """The batch cache before a verify block: restore it, or keep a prefix per row.
+    `model` replays the rows that rejected something when the batch has recurrent layers."""
 
-    def __init__(self, cache: list):
-        self.saved = [(c, c._idx, c.offset, c.left_padding) for c in cache]
+    def __init__(self, cache: list, model=None):
+        for c in cache:
+            if isinstance(c, BatchWindowKVCache):
+                c.compact()  # between steps, never inside a block
+        self.cache, self.model = cache, model
+        self.saved = {j: (c._idx, c.offset, c.left_padding) for j, c in enumerate(cache)
+                      if not isinstance(c, ArraysCache)}
+        self.states = {j: list(c.cache) for j, c in enumerate(cache) if isinstance(c, ArraysCache)}
+        if self.states and model is None:
+            raise ValueError("a batch with recurrent layers needs the model to replay rows")
 
     def restore(self) -> None:
-        for c, idx, offset, left in self.saved:
+        for j, (idx, offset, left) in self.saved.items():
+            c = self.cache[j]
             c._idx, c.offset, c.left_padding = idx, offset, left
+        for j, state in self.states.items():
+            self.cache[j].cache = list(state)
 
-    def keep(self, kept: list[int], fed: int) -> None:
-        """Row i keeps the first kept[i] of the `fed` positions appended since."""
-        drop = [fed - k for k in kept]
+    def keep(self, kept: list, fed: int) -> None:
+        """Row i keeps the first kept[i] of the `fed` positions appended since: a count, or
+        (needed with recurrent layers) the kept tokens themselves."""
+        lengths = [k if isinstance(k, int) else len(k) for k in kept]
+        replay = [i for i, n in enumerate(lengths) if n < fed]
+        if self.states and replay:
+            self._replay(replay, [list(kept[i]) for i in replay])
+        drop = [fed - k for k in lengths]
         common = min(drop)
         tail = [d - common for d in drop]
-        for c, *_ in self.saved:
+        for j in self.saved:
+            c = self.cache[j]
             if common:
                 c.trim(common)
             if any(tail):
                 c.prepare(right_padding=tail)
                 c.finalize()
+
+    def _replay(self, rows: list[int], tokens: list[list[int]]) -> None:
+        """Recompute the recurrent states of `rows` from before the block over their kept
+        tokens, in one forward of those rows alone; write them into the batch."""
+        pick = mx.array(rows)
+        sub = []
+        for j, c in enumerate(self.cache):
+            if j in self.states:
+                s = ArraysCache(len(c.cache))
+                s.cache = [None if a is None else a[pick] for a in self.states[j]]
+                s.lengths = mx.array([len(t) for t in tokens])  # stop each row at its own end
+            else:
+                idx, offset, left = self.saved[j]
+                s = copy.copy(c)  # same class and settings (a window's size)
+                s.keys, s.values = c.keys[pick, :, :idx], c.values[pick, :, :idx]
+                s._idx, s.offset, s.left_padding, s._right_padding = idx, offset[pick], left[pick], None
+            sub.append(s)
+        width = max(len(t) for t in tokens)
+        if width:  # rows that kept nothing (never in a verify step) just get their old state
+            padded = [t + [0] * (width - len(t)) for t in tokens]
+            self.model(mx.array(padded, mx.uint32), cache=sub)
+        for j in self.states:
+            c, new = self.cache[j], sub[j].cache
+            for e, a in enumerate(new):
+                whole = c.cache[e]
+                whole[pick] = a.astype(whole.dtype)
+                c.cache[e] = whole
+
+    def for_row(self, i: int, row) -> "RowCheckpoint | None":
+        """Row i's step as a solo checkpoint (None without recurrent layers: its layers trim)."""
+        return RowCheckpoint(self, i, row) if self.states else None
+
+
+class RowCheckpoint:
+    """One row's part of a batch step, applied to that row's own cache after it left the
+    batch (the caller stopped inside the block it kept): its recurrent states from before
+    the block come back, its KV layers drop the block, and the kept prefix is replayed."""
+
+    def __init__(self, batch: BatchCheckpoint, i: int, row):
+        self.states = batch.states  # the layers' states before the block, a row per request
+        self.i, self.row = i, row  # the row's cache: its own once it has left the batch
+
+    def keep(self, kept) -> None:
+        i, cache = self.i, self.row.cache
+        fed = len(self.row.last[1])  # the step's kept tokens: what the cache holds since
+        for j, c in enumerate(cache):
+            if j in self.states:
+                c.cache = [None if a is None else a[i : i + 1] for a in self.states[j]]
+            else:
+                c.trim(fed)
+        if kept:
+            self.row.model(mx.array(list(kept), mx.uint32)[None], cache=cache)

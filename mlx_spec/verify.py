@@ -4,8 +4,8 @@
 padded to the longest), each row's acceptance, as one lazy graph and reads all
 results at once (the step's host sync). Then each row's cache keeps exactly
 its own accepted prefix: `Checkpoint` for a single row (any cache kind),
-`BatchCheckpoint` for a batch. A step that fails half-way leaves the caches
-as they were before it.
+`BatchCheckpoint` for a batch (KV, window and recurrent layers). A step that
+fails half-way leaves the caches as they were before it.
 
 Logits processors (mlx-lm's `logits_processors`: repetition penalties, logit
 bias) are applied to every verified row with that row's own history (the
@@ -143,7 +143,7 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
     T = 1 + max(sizes)
     if len(rows) == 1:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
         rows[0].req.quantize_cache(cache)
-    ckpt = Checkpoint(model, cache) if len(rows) == 1 else BatchCheckpoint(cache)
+    ckpt = Checkpoint(model, cache) if len(rows) == 1 else BatchCheckpoint(cache, model)
     try:
         inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens]
                                  + ([mx.full((T - 1 - d.size,), r.y, mx.uint32)] if d.size < T - 1 else []))
@@ -177,7 +177,11 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
         ckpt.keep(kept[0], T)
         rows[0].last = (ckpt, kept[0])
     else:
-        ckpt.keep([len(k) for k in kept], T)
+        ckpt.keep(kept, T)
+        for i, (row, k) in enumerate(zip(rows, kept)):
+            row.last = (ckpt.for_row(i, row), k)  # the step, should the row leave mid-block
+            if row.last[0] is None:
+                row.last = None  # KV and window layers: a row that left trims its own cache
     for row, k in zip(rows, kept):
         row.fed(k)
         row.sync_seconds += wait

@@ -1,0 +1,95 @@
+"""Sliding-window layers of several rows as one batch cache that rolls back per row.
+
+mlx-lm's `BatchRotatingKVCache` keeps a ring of exactly `max_size` slots per row, so
+once a row's ring has wrapped the positions a rejected block overwrote are gone: it
+cannot give a row back its own accepted prefix. `BatchWindowKVCache` keeps the layout
+of `BatchKVCache` instead (left-padded rows, one write index, each row's positions
+contiguous and ending at that index, a RoPE offset per row) and only differs in two
+ways:
+
+* its mask limits every query to the `window` most recent columns of its own row (and
+  never reads a row's left padding), which is the window its solo `WindowKVCache`
+  gives it, because each row's columns are its positions in order;
+* between steps (`compact`, called when a `BatchCheckpoint` is taken) it drops the
+  columns older than the `window - 1 + spare` most recent ones, so memory stays
+  bounded however long the rows get, and a row that leaves the batch right after a
+  step can still roll that step back (`spare` positions) as a solo window cache.
+
+A verify block appends T columns; `BatchCheckpoint.keep` trims what every row
+rejected and rolls each row's remaining rejected tail off its end (mlx-lm's
+`prepare(right_padding=...)` / `finalize`), exactly as for plain KV layers: the
+rolled-off columns become left padding, masked like any other.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache
+
+from .cache import SPARE, WindowKVCache
+
+
+class BatchWindowKVCache(BatchKVCache):
+    """Rows of `WindowKVCache(window, keep=0)` layers, left-padded into one buffer."""
+
+    def __init__(self, window: int, left_padding: list[int], spare: int = SPARE):
+        super().__init__(left_padding)
+        self.window, self.spare = window, spare
+
+    @property
+    def retain(self) -> int:
+        """Columns a row needs before a block: its window, and a block's worth to roll back."""
+        return self.window - 1 + self.spare
+
+    def compact(self) -> None:
+        """Drop columns no row can see again (amortised: at least `step` at a time)."""
+        drop = self._idx - self.retain
+        if self.keys is None or drop < self.step:
+            return
+        self.keys = mx.contiguous(self.keys[..., drop : self._idx, :])
+        self.values = mx.contiguous(self.values[..., drop : self._idx, :])
+        self._idx -= drop
+        self.left_padding = mx.maximum(self.left_padding - drop, 0)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None, **kw):
+        if window_size is not None and window_size != self.window:
+            raise ValueError(f"model asked for a {window_size}-token window from a batch cache "
+                             f"built for {self.window}")
+        return create_causal_mask(N, offset=self._idx, window_size=self.window,
+                                  left_padding=self.left_padding)
+
+    def extract(self, idx: int) -> WindowKVCache:
+        """Row `idx` as a solo `WindowKVCache` (a copy) holding all of its columns."""
+        c = WindowKVCache(self.window, self.spare)
+        c.offset = int(self.offset[idx].item())
+        if self.keys is None:
+            return c
+        first = max(0, int(self.left_padding[idx].item()))
+        c.keys = mx.contiguous(self.keys[idx : idx + 1, :, first : self._idx])
+        c.values = mx.contiguous(self.values[idx : idx + 1, :, first : self._idx])
+        c._len = self._idx - first
+        return c
+
+    @classmethod
+    def merge(cls, caches: list[WindowKVCache]) -> "BatchWindowKVCache":
+        """The rows' window caches (copied), left-padded to the longest buffer."""
+        window, spare = caches[0].window, max(c.spare for c in caches)
+        if any(c.window != window or c.keep for c in caches):
+            raise ValueError("only window caches of one size and without sink positions merge")
+        lengths = [0 if c.keys is None else c._len for c in caches]
+        width = max(lengths)
+        batch = cls(window, [width - n for n in lengths], spare)
+        batch.offset = mx.array([c.offset for c in caches])
+        if width == 0:
+            return batch
+        ref = next(c for c in caches if c.keys is not None)
+        _, H, _, Dk = ref.keys.shape
+        keys = mx.zeros((len(caches), H, width, Dk), ref.keys.dtype)
+        values = mx.zeros((len(caches), H, width, ref.values.shape[3]), ref.values.dtype)
+        for i, (c, n) in enumerate(zip(caches, lengths)):
+            if n:
+                keys[i : i + 1, :, width - n :] = c.keys[..., :n, :]
+                values[i : i + 1, :, width - n :] = c.values[..., :n, :]
+        batch.keys, batch.values, batch._idx = keys, values, width
+        return batch

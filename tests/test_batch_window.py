@@ -1,0 +1,218 @@
+"""Sliding-window targets (Gemma 3: global KV layers and window layers) decode in a batch:
+rows of different lengths share one verify forward, each keeps exactly its own accepted
+prefix, and each row's window is the one its solo run sees, far past the window edge."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+import lossless as L
+import mlx_spec
+import tiny
+from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
+from mlx_spec.batch_cache import BatchCheckpoint, extract, join, merge
+from mlx_spec.batch_window import BatchWindowKVCache
+from mlx_spec.cache import WindowKVCache, prepare_cache
+from runs import mlx_lm_greedy as reference
+from test_batch import drain
+
+WINDOW = 8
+# 2, 8 and 13 prompt tokens: one row starts past the window, one far inside it.
+PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 5, 6, 7], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8]]
+_model = {}
+
+
+def gemma(window=WINDOW):
+    if window not in _model:
+        _model[window] = tiny.gemma3_model(window=window)
+    return _model[window]
+
+
+@pytest.fixture
+def small_buffers(monkeypatch):
+    """Compact every few columns, so blocks are verified and rolled back across compactions."""
+    monkeypatch.setattr(BatchWindowKVCache, "step", 4)
+    monkeypatch.setattr(WindowKVCache, "step", 3)
+
+
+def test_the_window_changes_the_output_so_the_tests_can_fail():
+    model = gemma()
+    long = reference(model, PROMPTS[1], 40)
+    wide = tiny.gemma3_model(window=4096)  # same weights (seed 0), a window never reached
+    assert reference(wide, PROMPTS[1], 40) != long
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_every_row_gets_its_solo_greedy_output_far_past_the_window(k, small_buffers):
+    model = gemma()
+    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model)]
+    res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, iter([m() for m in makers]).__next__,
+                                  max_tokens=48, num_draft_tokens=k, trace=True)
+    for prompt, got in zip(PROMPTS, res.tokens):
+        assert got == reference(model, prompt, 48)
+    for s in res.stats:
+        assert max(s.batch_sizes) == 3  # verified together, not served one at a time
+    assert res.stats[2].acceptance_rate == 1.0 and res.stats[1].drafted == 0
+    if k > 1:  # ragged: in some step the rows kept different numbers of drafts
+        kept = [[t.accepted for t in s.trace] for s in res.stats]
+        assert any(len({r[i] for r in kept if i < len(r)}) > 1 for i in range(20))
+
+
+def test_rows_join_and_leave_mid_batch(small_buffers):
+    model = gemma()
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3, prefill_chunk=5)
+    a = decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=50, num_draft_tokens=3)
+    out = {}
+    for _ in range(6):
+        for uid, block in decoder.step():
+            out.setdefault(uid, []).extend(r.token for r in block)
+    long = [int(t) for t in np.arange(23) * 7 % 90]  # prefilled 5 tokens a step, in turn
+    b = decoder.add(long, DraftModelDrafter(model), max_tokens=12)
+    c = decoder.add(PROMPTS[0], None, max_tokens=30)
+    widths = []
+    for _ in range(8):
+        for uid, block in decoder.step():
+            out.setdefault(uid, []).extend(r.token for r in block)
+        widths.append(decoder.width)
+    assert 3 in widths
+    decoder.release(c, seen=1)  # the caller drops row c mid-block
+    out, rest = drain(decoder, out)
+    assert out[a] == reference(model, PROMPTS[1], 50)
+    assert out[b] == reference(model, long, 12)
+    assert 0 < len(out[c]) < 30 and out[c] == reference(model, PROMPTS[0], 30)[: len(out[c])]
+    assert not decoder.active and decoder.batch is None
+
+
+def test_a_row_leaving_the_batch_keeps_its_window_in_its_prompt_cache(small_buffers):
+    model = gemma()
+    cache = mlx_spec.make_cache(model)
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
+    a = decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=30, prompt_cache=cache)
+    decoder.add(PROMPTS[2], DraftModelDrafter(model), max_tokens=40)
+    out, widths = drain(decoder)
+    assert max(widths) == 2 and type(cache[0]) is WindowKVCache and type(cache[1]) is KVCache
+    assert cache[0].offset == cache[1].offset == len(PROMPTS[1]) + 30
+    got = [r.token for r in mlx_spec.stream_generate(model, tiny.tokenizer(), [3], max_tokens=20,
+                                                      prompt_cache=cache)]
+    assert got == reference(model, PROMPTS[1] + out[a] + [3], 20)
+
+
+def test_windows_with_sink_positions_are_still_served_one_at_a_time():
+    model = tiny.qwen2_model()  # max_kv_size: a window whose first 4 positions stay visible
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3)
+    for p in PROMPTS:
+        decoder.add(p, NGramDrafter(min_n=1), max_tokens=16, max_kv_size=12)
+    _, widths = drain(decoder)
+    assert max(widths) == 1
+
+
+# (kept positions per row per block, seed); blocks of 6 and 6 of them: 36 positions > window 8
+blocks = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3), st.integers(0, 99)),
+                  min_size=1, max_size=6)
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(blocks=blocks, lengths=st.lists(st.integers(1, 14), min_size=3, max_size=3),
+       joiner=st.integers(0, 5))
+def test_ragged_window_rollback_equals_each_rows_fresh_cache(blocks, lengths, joiner, small_buffers):
+    """After any verify/keep blocks (a row joining after `joiner` of them), each row of the
+    batch, and each row taken out of it, is mlx-lm's own fresh window cache of its tokens."""
+    model = gemma()
+    rng = np.random.default_rng(sum(lengths))
+    committed = [rng.integers(0, tiny.VOCAB, n).tolist() for n in lengths]
+    solos = []
+    for p in committed:
+        c = prepare_cache(model, make_prompt_cache(model))
+        model(mx.array([p]), cache=c)
+        solos.append(c)
+    batch, rows = merge(solos[:2]), 2
+    for j, (keep, seed) in enumerate(blocks):
+        if j == joiner and rows == 2:
+            join(batch, solos[2])
+            rows = 3
+        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
+        ckpt = BatchCheckpoint(batch)
+        model(mx.array(block), cache=batch)
+        ckpt.keep(keep[:rows], 6)
+        for i in range(rows):
+            committed[i] += block[i, : keep[i]].tolist()
+    probe = mx.array([[7]] * rows)
+    outs = [extract(batch, i) for i in range(rows)]
+    got = np.array(model(probe, cache=batch)[:, -1])
+    for i in range(rows):
+        fresh = make_prompt_cache(model)  # mlx-lm's RotatingKVCache
+        want = np.array(model(mx.array([committed[i] + [7]]), cache=fresh)[0, -1])
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-4)
+        alone = np.array(model(mx.array([[7]]), cache=outs[i])[0, -1])
+        np.testing.assert_allclose(alone, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_batch_window_cache_stays_bounded():
+    model = gemma()
+    caches = [prepare_cache(model, make_prompt_cache(model)) for _ in range(2)]
+    for c, p in zip(caches, PROMPTS[1:]):
+        model(mx.array([p]), cache=c)
+    batch = merge(caches)
+    for _ in range(120):
+        ckpt = BatchCheckpoint(batch)
+        model(mx.array([[1, 2, 3, 4]] * 2), cache=batch)
+        ckpt.keep([3, 4], 4)
+    win = batch[0]
+    assert isinstance(win, BatchWindowKVCache) and win.offset.tolist() == [8 + 360, 13 + 480]
+    assert win._idx <= win.retain + win.step + 4
+
+
+@pytest.mark.slow
+def test_sampled_rows_of_a_window_batch_have_the_targets_law():
+    """Rows of a window-4 target (5 sampled positions after prompts of 3 to 6 tokens: every
+    row crosses the window) in one batch keep the target's law; a wrong rule fails it."""
+    model = tiny.gemma3_model(seed=3, window=4, vocab=8)
+    draft = tiny.gemma3_model(seed=4, window=4, vocab=8)  # another network: it is often wrong
+    cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft)),
+             ([4, 5, 6], dict(temp=0.8, top_p=0.9), lambda: NGramDrafter(min_n=1)),
+             ([4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
+    joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]
+
+    def runs(n):
+        tokens, traces = [np.full((n, 5), 8) for _ in cases], [[] for _ in cases]
+        for seed in range(n):
+            decoder = BatchDecoder(model, tiny.tokenizer(vocab=8), max_batch=3)
+            uids = [decoder.add(p, make(), max_tokens=5, num_draft_tokens=3, seed=seed, trace=True, **kw)
+                    for p, kw, make in cases]
+            out, widths = drain(decoder)
+            assert max(widths) == 3
+            for i, uid in enumerate(uids):
+                tokens[i][seed] = out[uid]
+                traces[i].append(decoder.last_stats[uid].trace or [])
+        return [L.Runs(t, tr, ["length"] * n, 8) for t, tr in zip(tokens, traces)]
+
+    for r, joint in zip(runs(800), joints):
+        L.assert_lossless(r, joint)
+    with pytest.MonkeyPatch.context() as mp:
+        L.use_rule(mp, L.wrong_rule(residual="p"))
+        L.assert_caught(runs(800)[0], joints[0])
+
+
+@pytest.mark.download
+@pytest.mark.slow
+def test_real_gemma3_rows_get_their_solo_greedy_output_past_a_shortened_window():
+    """gemma-3-270m's real weights with its 512-token window cut to 16 (the model's own
+    mask and mlx-lm's cache both follow `sliding_window`), so 32 tokens cross it."""
+    from mlx_lm.generate import generate_step
+
+    from mlx_spec import zoo
+
+    model, tok = mlx_spec.load(str(zoo.fetch("gemma-3-270m", dtype="float32")))
+    model.args.sliding_window = model.model.window_size = 16
+    texts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox.",
+             "Hi", "Write a Python function that returns the squares of a list of numbers."]
+    ids = [tok.encode(t) for t in texts]
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=32)] for p in ids]
+    res = mlx_spec.batch_generate(model, tok, ids, lambda: NGramDrafter(), max_tokens=32,
+                                  num_draft_tokens=4)
+    assert res.tokens == want
+    assert all(max(s.batch_sizes) == 3 for s in res.stats) and res.stats[0].accepted > 0
