@@ -118,8 +118,7 @@ def plain(model, row) -> Verdict:
 
 def _launch(model, row, y: mx.array) -> tuple[mx.array, mx.array, Checkpoint]:
     ckpt = Checkpoint(model, row.cache)
-    with overlapped(model):  # its first pieces run as soon as the step before them is done
-        logits = model(y.reshape(1, 1), cache=row.cache)[0]  # [1, V]
+    logits = model(y.reshape(1, 1), cache=row.cache)[0]  # [1, V]
     row.seed_rng(1, row.launched)
     token = row.req.sampling.sample(logits[-1]).astype(mx.uint32).reshape(1)
     mx.async_eval(token)
