@@ -4,8 +4,8 @@ Building a step's graph is host work: Python per layer, a few milliseconds for
 a 30-layer model. A speculative step cannot be built before the last one's
 result is read (its inputs and cache offsets depend on what was accepted), so
 unlike plain decoding it cannot hide that work behind the previous step. It
-can hide most of it behind itself: `overlapped(model)` wraps every few decoder
-layers of the model *instance* for one forward, and each wrapper queues its
+can hide most of it behind itself: `overlapped(model)` wraps the decoder layers
+of the model *instance* (each, by default) for one forward; each wrapper queues its
 output for evaluation (`mx.async_eval`) as soon as it is built, so MLX
 evaluates layers 0..j while Python builds layer j+1 onwards. The values are
 untouched (the same operations in the same order; random draws are fixed when
@@ -27,7 +27,11 @@ import mlx.core as mx
 
 from .taps import SeeThrough, decoder_stack
 
-PIECES = 8  # pieces per forward: more hides more building, each costs one async_eval
+# Decoder layers per piece (0: build the whole forward, then evaluate). One layer is a few
+# dozen operations, under the number MLX's CPU backend keeps queued before `async_eval`
+# waits; in the GPU-like regime (scripts/overhead.py) a k = 4 n-gram step took 1.18x
+# mlx-lm's plain step with a piece per layer, 1.36x with 8 pieces of 4 layers, 1.28x whole.
+EVERY = 1
 
 
 class Queued:
@@ -69,12 +73,11 @@ def _kick(stack, i: int, queued: Queued) -> _Kick:
 
 
 @contextmanager
-def overlapped(model, pieces: int | None = None):
-    """For the forwards built inside: the first and every ceil(layers / pieces)-th decoder
-    layer of `model` queue their output as soon as it is built. Models without a layer list
-    run as they are."""
-    queued, pieces = Queued(), PIECES if pieces is None else pieces
-    if pieces < 1:
+def overlapped(model, every: int | None = None):
+    """For the forwards built inside: the first and every `every`-th decoder layer of `model`
+    queue their output as soon as it is built. Models without a layer list run as they are."""
+    queued, every = Queued(), EVERY if every is None else every
+    if every < 1:
         yield queued
         return
     try:
@@ -83,7 +86,6 @@ def overlapped(model, pieces: int | None = None):
     except ValueError:
         yield queued
         return
-    every = max(1, -(-len(layers) // pieces))
     first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
     saved = [(i, layers[i]) for i in sorted(first)]
     try:

@@ -64,8 +64,8 @@ def real(args) -> int:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         methods["mlx-spec draft"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
 
-    def ours(make, pieces):
-        overlap.PIECES = pieces
+    def ours(make, every):
+        overlap.EVERY = every
         out = list(mlx_spec.stream_generate(model, tok, ids, make(), max_tokens=args.max_tokens,
                                             num_draft_tokens=args.k))
         s = out[-1].stats
@@ -80,9 +80,9 @@ def real(args) -> int:
             n += 1
         return (time.perf_counter() - tic) / n * 1e3
 
-    pieces = overlap.PIECES
+    every = overlap.EVERY
     variants = {f"{name}{tag}": (make, p) for name, make in methods.items()
-                for tag, p in (("", pieces), (" no-overlap", 0)) if p or name != "mlx-spec none"}
+                for tag, p in (("", every), (" no-overlap", 0)) if p or name != "mlx-spec none"}
     rows = {name: [] for name in variants}
     mlx_lm = {"mlx-lm plain": [], **({"mlx-lm draft": []} if draft is not None else {})}
     for r in range(args.rounds + 1):  # round 0 warms up
@@ -137,8 +137,8 @@ def gpu_like(args) -> int:
             count += 1
         return (time.perf_counter() - tic) / count * 1e3, (time.process_time() - cpu) / count * 1e3
 
-    def ours(drafter, pieces=overlap.PIECES):
-        overlap.PIECES = pieces
+    def ours(drafter, every=overlap.EVERY):
+        overlap.EVERY = every
         cpu = time.process_time()
         out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n,
                                             num_draft_tokens=args.k))
