@@ -34,6 +34,7 @@ from . import batch_cache, tree, verify
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY
 from .identity import Claims
+from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter
 from .rows import Response, Row
 
@@ -162,20 +163,9 @@ class BatchDecoder:
         self.width = len(rows)
         t0 = time.perf_counter()
         choices = choose_lengths(self.model, rows)
-        drafts = []
         try:
-            for row, (k, _) in zip(rows, choices):
-                if row.req.max_tokens is not None:
-                    k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
-                row.commit_later()
-                row.seed_rng(2)
-                drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
-            cache = self.batch if self.batch is not None else rows[0].cache
-            drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
-            if len(rows) == 1 and verify.pipelined(rows[0]):
-                verdicts = [verify.plain(self.model, rows[0])]
-            else:
-                verdicts = verify.verify(self.model, cache, rows, drafts)
+            with step_clock():  # the drafters' forwards and the verify: one busy span for MLX
+                drafts, verdicts = self._draft_and_verify(rows, choices)
         except BaseException:
             for row in list(rows):  # a failed step ends every row in it
                 self._finish(row)
@@ -197,6 +187,20 @@ class BatchDecoder:
             if row.finish is not None:
                 self._finish(row)
         return events
+
+    def _draft_and_verify(self, rows: list[Row], choices) -> tuple[list, list]:
+        drafts = []
+        for row, (k, _) in zip(rows, choices):
+            if row.req.max_tokens is not None:
+                k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
+            row.commit_later()
+            row.seed_rng(2)
+            drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
+        cache = self.batch if self.batch is not None else rows[0].cache
+        drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
+        if len(rows) == 1 and verify.pipelined(rows[0]):
+            return drafts, [verify.plain(self.model, rows[0])]
+        return drafts, verify.verify(self.model, cache, rows, drafts)
 
     def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
         """A tree is verified as one when this step can (one row, plain KV layers, no logits

@@ -72,11 +72,25 @@ def _kick(stack, i: int, queued: Queued) -> _Kick:
     return kick
 
 
+_step: list[Queued | None] = [None]  # the step being built, when one is open
+
+
+@contextmanager
+def step_clock():
+    """One decode step (a drafter's forwards and the verify): every `overlapped` forward
+    inside reports to the same `Queued`, so `at` is when the step's first piece was queued."""
+    _step[0] = Queued()
+    try:
+        yield _step[0]
+    finally:
+        _step[0] = None
+
+
 @contextmanager
 def overlapped(model, every: int | None = None):
     """For the forwards built inside: the first and every `every`-th decoder layer of `model`
     queue their output as soon as it is built. Models without a layer list run as they are."""
-    queued, every = Queued(), EVERY if every is None else every
+    queued, every = _step[0] or Queued(), EVERY if every is None else every
     if every < 1:
         yield queued
         return
