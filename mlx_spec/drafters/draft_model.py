@@ -84,7 +84,9 @@ class DraftModelDrafter(SavesState):
 
     def _tree_logits(self, tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
         """One depth of a dynamic tree fed at once ([w] tokens -> [w, V]; `dynamic_tree.Step`)."""
-        return self._layout(tree.forward_block(self.model, self.cache, tokens, mask, [shift] * tokens.shape[0]))
+        with overlapped(self.model):
+            return self._layout(tree.forward_block(self.model, self.cache, tokens, mask,
+                                                   [shift] * tokens.shape[0]))
 
     def _layout(self, logits: mx.array) -> mx.array:
         """Logits over the draft's vocabulary [..., V_d] laid out over the target's."""
