@@ -35,6 +35,22 @@ def drain(decoder, collect=None):
     return out, widths
 
 
+def batched_runs(model, cases, n: int, tokens: int = 5, vocab: int = 8) -> list:
+    """`n` seeded batches of `cases` ((prompt, sampling options, drafter maker) per row, all
+    verified together at k = 3): each row's sampled tokens and traces, as `lossless.Runs`."""
+    out_tokens, traces = [np.full((n, tokens), vocab) for _ in cases], [[] for _ in cases]
+    for seed in range(n):
+        decoder = BatchDecoder(model, tiny.tokenizer(vocab=vocab), max_batch=len(cases))
+        uids = [decoder.add(p, make(), max_tokens=tokens, num_draft_tokens=3, seed=seed, trace=True, **kw)
+                for p, kw, make in cases]
+        out, widths = drain(decoder)
+        assert max(widths) == len(cases)  # the rows really were verified together
+        for i, uid in enumerate(uids):
+            out_tokens[i][seed] = out[uid]
+            traces[i].append(decoder.last_stats[uid].trace or [])
+    return [L.Runs(t, tr, ["length"] * n, vocab) for t, tr in zip(out_tokens, traces)]
+
+
 def test_every_row_gets_its_solo_greedy_output_with_ragged_acceptance():
     model = tiny.llama_model()
     draft = tiny.llama_model(seed=9, layers=1)
@@ -138,17 +154,7 @@ def test_sampled_rows_of_a_batch_have_the_targets_law():
     joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]
 
     def runs(n):
-        tokens, traces = [np.full((n, 5), 8) for _ in cases], [[] for _ in cases]
-        for seed in range(n):  # one batch of the two rows per seed
-            decoder = BatchDecoder(model, tiny.tokenizer(vocab=8), max_batch=3)
-            uids = [decoder.add(p, make(), max_tokens=5, num_draft_tokens=3, seed=seed, trace=True, **kw)
-                    for p, kw, make in cases]
-            out, widths = drain(decoder)
-            assert max(widths) == 3
-            for i, uid in enumerate(uids):
-                tokens[i][seed] = out[uid]
-                traces[i].append(decoder.last_stats[uid].trace or [])
-        return [L.Runs(t, tr, ["length"] * n, 8) for t, tr in zip(tokens, traces)]
+        return batched_runs(model, cases, n)
 
     for i, (r, joint) in enumerate(zip(runs(800), joints)):
         if i < 2:  # the draft-model rows draft 3 deep on most first steps

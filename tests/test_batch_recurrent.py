@@ -15,7 +15,7 @@ import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
 from mlx_spec.batch_cache import BatchCheckpoint, extract, join, merge
 from runs import mlx_lm_greedy as reference
-from test_batch import drain
+from test_batch import batched_runs, drain
 
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 5, 6, 7], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8]]
 _model = {}
@@ -203,17 +203,7 @@ def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
     joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]
 
     def runs(n):
-        tokens, traces = [np.full((n, 5), 8) for _ in cases], [[] for _ in cases]
-        for seed in range(n):
-            decoder = BatchDecoder(model, tiny.tokenizer(vocab=8), max_batch=3)
-            uids = [decoder.add(p, make(), max_tokens=5, num_draft_tokens=3, seed=seed, trace=True, **kw)
-                    for p, kw, make in cases]
-            out, widths = drain(decoder)
-            assert max(widths) == 3
-            for i, uid in enumerate(uids):
-                tokens[i][seed] = out[uid]
-                traces[i].append(decoder.last_stats[uid].trace or [])
-        return [L.Runs(t, tr, ["length"] * n, 8) for t, tr in zip(tokens, traces)]
+        return batched_runs(model, cases, n)
 
     for r, joint in zip(runs(800), joints):
         L.assert_lossless(r, joint)

@@ -141,6 +141,16 @@ def test_sharded_serve_matches_unsharded(folder, mode, k):
         run.kill()
 
 
+def _end(pid: int | None) -> None:
+    """A rank the test stopped: let it go and kill it."""
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_hung_rank_ends_the_launch(folder):
     """Rank 1 stops (SIGSTOP: alive, silent). Rank 0, blocked in a forward, gives up after
     --dist-timeout naming itself and the forward; the launch ends every rank."""
@@ -161,12 +171,7 @@ def test_a_hung_rank_ends_the_launch(folder):
         assert took < 4 + 10 + 40  # the limit, launch's grace for the stopped rank, slack
         assert not _descendants(run.proc.pid)
     finally:
-        if victim is not None:
-            try:
-                os.kill(victim, signal.SIGCONT)
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _end(victim)
         run.kill()
 
 
@@ -185,12 +190,7 @@ def test_a_hung_rank_ends_an_idle_sharded_server(folder):
         assert re.search(r"error: rank 0 made no progress for 3 s at server step \d+", stderr), stderr[-3000:]
         assert not _descendants(run.proc.pid)
     finally:
-        if victim is not None:
-            try:
-                os.kill(victim, signal.SIGCONT)
-                os.kill(victim, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _end(victim)
         run.kill()
 
 
