@@ -90,3 +90,16 @@ def test_resume_with_another_target_or_without_a_run(tmp_path, target):
 def test_no_chat_template_and_no_prompts(tmp_path):
     with pytest.raises(DataError, match="no chat template.*pass --prompts FILE"):
         user_header(tiny.tokenizer())
+
+
+def test_unknown_magpie_topic_fails_before_any_generation(tmp_path, target):
+    model, tok = target
+    out = tmp_path / "out"
+    _fail(lambda: train_eagle3(model, tok, out, topics=("chat", "poetry"), draft_vocab=32, tap_layers=[1, 2, 4]),
+          r"--magpie-topics chat,poetry: choose from chat, code", out)
+
+
+def test_a_topic_system_turn_comes_before_the_user_header(target):
+    _, tok = target
+    plain, steered = user_header(tok), user_header(tok, "w7 w8")
+    assert steered != plain and tok.decode(steered).split() == ["w2", "w7", "w8", "w3", "w2"]

@@ -125,3 +125,22 @@ def test_realign_to_another_target_reports_tau_before_and_after(target, trained,
     assert report["before"]["identical_to_plain"] and report["after"]["identical_to_plain"]
     assert report["after"]["tau"] > report["before"]["tau"] + 0.3, report
     assert mlx_spec.load_drafter(dest, model) is not None
+
+
+def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(target, tmp_path, monkeypatch):
+    import mlx_spec.train.trainer as trainer
+
+    _, model, tok = target
+    calls = []
+    real = trainer.target_batch
+    monkeypatch.setattr(trainer, "target_batch", lambda *a: calls.append(1) or real(*a))
+    kw = dict(prompts=PROMPTS, max_length=24, steps=8, lr=3e-3, ttt_steps=2, eval_tokens=4, **FAST)
+    train_eagle3(model, tok, tmp_path / "kept", **kw)
+    kept = len(calls)
+    rows = len((tmp_path / "kept" / "data.jsonl").read_text().splitlines())
+    train_eagle3(model, tok, tmp_path / "fresh", feature_cache_gb=0, **kw)
+    assert (kept, len(calls) - kept) == (rows, 8)  # 2 epochs: once per sequence, or once per step
+    a = mx.load(str(tmp_path / "kept" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "fresh" / "model.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)

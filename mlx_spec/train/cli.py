@@ -16,6 +16,9 @@ def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) 
     p.add_argument("--out", required=True, help="output folder: the head, its checkpoints, data and eval.json")
     p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': '...'} rows; without it "
                    "the target writes its own prompts from its chat template")
+    p.add_argument("--magpie-topics", default="chat,code",
+                   help="without --prompts: what the target's own prompts ask for, alternating "
+                        "(chat, code; default chat,code)")
     p.add_argument("--samples", type=int, default=samples, help=f"training prompts (default {samples})")
     p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the evaluation (default 8)")
     p.add_argument("--max-length", type=int, default=512, help="tokens per sequence, prompt included (default 512)")
@@ -24,6 +27,9 @@ def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) 
     g.add_argument("--steps", type=int, help="optimizer steps (one sequence each), instead of --epochs")
     p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
     p.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
+    p.add_argument("--feature-cache-gb", type=float, default=2.0,
+                   help="memory for the target's features kept between epochs, so the target runs "
+                        "once per sequence (default 2; 0 recomputes them every epoch)")
     p.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
     p.add_argument("--log-every", type=int, default=10, help="optimizer steps between progress lines")
     p.add_argument("--eval-k", type=int, default=4, help="draft length of the evaluation (default 4)")
@@ -83,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
                       max_length=args.max_length, epochs=args.epochs, steps=args.steps, resume=args.resume,
                       seed=args.seed, lr=args.lr, ttt_steps=args.ttt_steps,
                       checkpoint_every=args.checkpoint_every, log_every=args.log_every,
-                      eval_k=args.eval_k, eval_tokens=args.eval_tokens)
+                      eval_k=args.eval_k, eval_tokens=args.eval_tokens,
+                      feature_cache_gb=args.feature_cache_gb,
+                      topics=tuple(t.strip() for t in args.magpie_topics.split(",") if t.strip()))
         if args.job == "eagle3":
             from .run import train_eagle3
 

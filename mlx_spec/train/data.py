@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 _SENTINEL = "\x00MLXSPEC\x00"
+BATCH = 16  # rows decoded together while generating (16: ~1.5x the tokens/s of 8 on a 2-core CPU)
 
 
 class DataError(ValueError):
@@ -85,24 +86,45 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.encode("\n".join(m["content"] for m in messages)))
 
 
-def user_header(tokenizer) -> list[int]:
-    """The ids the chat template puts before a user turn's text (Magpie's prompt)."""
+# Magpie's topic control (arXiv 2406.08464, section 2): a system turn before the user header
+# steers what kind of request the target writes. None: the template's own default turn.
+TOPICS = {
+    "chat": None,
+    "code": "You are an expert programmer. Users ask you to write, fix or explain code: Python "
+            "functions and classes, JavaScript, SQL queries, Rust, shell commands.",
+}
+
+
+def user_header(tokenizer, system: str | None = None) -> list[int]:
+    """The ids the chat template puts before a user turn's text (Magpie's prompt), after a
+    `system` turn when one is given."""
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(
             "the target's tokenizer has no chat template, so it cannot write its own prompts; "
             "pass --prompts FILE (JSONL rows with 'prompt' or 'messages')"
         )
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    turns = [{"role": "system", "content": system}] if system else []
+    try:
+        text = tokenizer.apply_chat_template(turns + [{"role": "user", "content": _SENTINEL}], tokenize=False)
+    except Exception as e:  # templates that refuse a system turn
+        raise DataError(f"the chat template refuses a system turn ({e}); use --magpie-topics chat "
+                        "or pass --prompts FILE") from e
     head = text.split(_SENTINEL)[0]
-    if not head or head == text:
+    if not head or head == text or (system and system not in head):
         raise DataError("the chat template does not show where a user turn starts; pass --prompts FILE")
     return list(tokenizer.encode(head, add_special_tokens=False))
 
 
-def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, log=print) -> list[list[dict]]:
+def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, log=print,
+                   topics=("chat",)) -> list[list[dict]]:
     """`n` user turns written by the target from its chat template's user header (sampled; row i
-    of round r uses seed `seed + r * n + i`, so every row draws its own turn)."""
-    header = user_header(tokenizer)
+    of round r uses seed `seed + r * n + i`, so every row draws its own turn). Row i is steered
+    to topic `topics[i % len(topics)]` (`TOPICS`); the turns are returned without the system
+    turn, so the answers are written in the template's default context."""
+    unknown = [t for t in topics if t not in TOPICS]
+    if unknown or not topics:
+        raise DataError(f"--magpie-topics {','.join(topics)}: choose from {', '.join(TOPICS)}")
+    headers = [user_header(tokenizer, TOPICS[t]) for t in topics]
     out: list[list[dict]] = []
     seen: set[str] = set()
     for r in range(4):  # rounds: short or repeated turns are dropped and drawn again
@@ -110,7 +132,8 @@ def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, lo
         if want <= 0:
             break
         seeds = [seed + r * n + i for i in range(want)]
-        texts = _sample(model, tokenizer, header, seeds, max_tokens)
+        texts = _sample(model, tokenizer, [headers[(len(out) + i) % len(headers)] for i in range(want)],
+                        seeds, max_tokens)
         for text in texts:
             text = text.replace(tokenizer.eos_token or "\x00", "").strip()
             if len(text) >= 8 and text not in seen:
@@ -122,11 +145,11 @@ def magpie_prompts(model, tokenizer, n: int, seed: int, max_tokens: int = 64, lo
     return out[:n]
 
 
-def _sample(model, tokenizer, prompt: list[int], seeds: list[int], max_tokens: int) -> list[str]:
-    """One sampled continuation of `prompt` per seed, decoded together."""
+def _sample(model, tokenizer, prompts: list[list[int]], seeds: list[int], max_tokens: int) -> list[str]:
+    """One sampled continuation of each prompt (with its seed), decoded together."""
     from ..decode import batch_generate
 
-    return batch_generate(model, tokenizer, [prompt] * len(seeds), None, max_tokens=max_tokens,
+    return batch_generate(model, tokenizer, prompts, None, max_tokens=max_tokens, max_batch=BATCH,
                           temp=1.0, top_p=0.95, seed=list(seeds)).texts
 
 
@@ -136,14 +159,14 @@ def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=prin
 
     rows = []
     keep = [p for p in prompts if len(p) <= max_length - 8]  # room for an answer of 8 tokens or more
-    for s in range(0, len(keep), 16):
-        part = keep[s : s + 16]
+    for s in range(0, len(keep), 2 * BATCH):
+        part = keep[s : s + 2 * BATCH]
         budget = max(8, max_length - max(len(p) for p in part))
-        res = batch_generate(model, tokenizer, part, None, max_batch=8, max_tokens=budget)
+        res = batch_generate(model, tokenizer, part, None, max_batch=BATCH, max_tokens=budget)
         for p, toks in zip(part, res.tokens):
             if toks:
                 rows.append({"tokens": [int(t) for t in p + toks][:max_length], "prompt_len": len(p)})
-        log(f"answers: {min(s + 16, len(keep))}/{len(keep)}")
+        log(f"answers: {min(s + 2 * BATCH, len(keep))}/{len(keep)}")
     return rows
 
 

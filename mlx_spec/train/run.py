@@ -26,6 +26,9 @@ from .export import head_config, save_json, target_identity
 from .trainer import Settings, Trainer, settings_dict
 
 
+TOPICS = ("chat", "code")  # what the target's own prompts ask for, alternating (data.TOPICS)
+
+
 def _err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -58,19 +61,19 @@ def check_out(out: Path, resume: bool) -> None:
                          "or choose a new --out")
 
 
-def _messages_for(model, tokenizer, prompts_file, n: int, seed: int, log) -> list:
+def _messages_for(model, tokenizer, prompts_file, n: int, seed: int, log, topics) -> list:
     if prompts_file is not None:
         rows = D.read_prompts(prompts_file)
         rng = np.random.default_rng(seed)
         return [rows[i] for i in rng.permutation(len(rows))][:n]
-    return D.magpie_prompts(model, tokenizer, n, seed, log=log)
+    return D.magpie_prompts(model, tokenizer, n, seed, log=log, topics=topics)
 
 
 def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, max_length: int, seed: int,
-              log) -> tuple[list, list]:
+              log, topics=TOPICS) -> tuple[list, list]:
     """Generate (training rows, held-out eval prompts) into `out`."""
     msgs = prompts if isinstance(prompts, list) else _messages_for(model, tokenizer, prompts, samples + eval_n,
-                                                                  seed, log)
+                                                                  seed, log, topics)
     if len(msgs) < 2:
         raise D.DataError(f"{len(msgs)} usable prompt(s); training needs at least 2 (one is held out)")
     eval_n = min(eval_n, max(1, len(msgs) // 5))
@@ -111,7 +114,9 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                  max_length: int = 512, epochs: float = 2, steps: int | None = None,
                  draft_vocab: int | None = None, tap_layers=None, resume: bool = False, seed: int = 0,
                  lr: float = 3e-4, ttt_steps: int = 7, checkpoint_every: int = 200, log_every: int = 10,
-                 eval_k: int = 4, eval_tokens: int = 128, data_from=None, on_step=None, log=_err) -> dict:
+                 eval_k: int = 4, eval_tokens: int = 128, data_from=None, topics=TOPICS,
+                 feature_cache_gb: float = 2.0, on_step=None,
+                 log=_err) -> dict:
     """Train a new EAGLE-3 head for `model` into `out`; returns the evaluation figures.
 
     `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them);
@@ -151,7 +156,8 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     else:
         if isinstance(prompts, (str, Path)):
             prompts = D.read_prompts(prompts)  # a bad file fails here, before any model work
-        rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
+        rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log,
+                               topics)
     ids = D.draft_vocab(rows, draft_vocab, V)
     log(f"{len(rows)} sequences, {sum(len(r['tokens']) for r in rows)} tokens; draft vocabulary {draft_vocab} "
         f"covers {D.coverage(rows, ids):.1%} of answer tokens")
@@ -161,7 +167,8 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     d2t = mx.array(ids)
     mx.eval(head.parameters())
     settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
-                        checkpoint_every=checkpoint_every, log_every=log_every, taps=taps)
+                        checkpoint_every=checkpoint_every, log_every=log_every,
+                        feature_cache_gb=feature_cache_gb, taps=taps)
     save_json(out / "train.json", {"kind": "eagle3", "settings": settings_dict(settings), "eval_k": eval_k,
                                    "eval_tokens": eval_tokens, "samples": len(rows)})
     trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
@@ -172,7 +179,8 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
 def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 2000, eval_prompts: int = 8,
             max_length: int = 512, epochs: float = 1, steps: int | None = None, resume: bool = False,
             seed: int = 0, lr: float = 1e-4, ttt_steps: int = 7, checkpoint_every: int = 200,
-            log_every: int = 10, eval_k: int = 4, eval_tokens: int = 128, on_step=None, log=_err) -> dict:
+            log_every: int = 10, eval_k: int = 4, eval_tokens: int = 128, topics=TOPICS,
+            feature_cache_gb: float = 2.0, on_step=None, log=_err) -> dict:
     """Fine-tune the EAGLE-3 head in `drafter_dir` to `model`; eval.json holds tau before and after."""
     from ..drafters.eagle import Eagle3Head
     from ..heads import load_drafter
@@ -205,11 +213,12 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
                        before=run["before"])
     if isinstance(prompts, (str, Path)):
         prompts = D.read_prompts(prompts)
-    rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log)
+    rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log, topics)
     before = evaluate(model, tokenizer, drafter, held, eval_k, eval_tokens, log=log)
     log("before: " + summary(before))
     settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
-                        checkpoint_every=checkpoint_every, log_every=log_every, taps=list(drafter.taps))
+                        checkpoint_every=checkpoint_every, log_every=log_every,
+                        feature_cache_gb=feature_cache_gb, taps=list(drafter.taps))
     save_json(out / "train.json", {"kind": "realign", "drafter": str(drafter_dir), "before": before,
                                    "settings": settings_dict(settings), "eval_k": eval_k,
                                    "eval_tokens": eval_tokens, "samples": len(rows)})

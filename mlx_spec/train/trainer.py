@@ -14,7 +14,11 @@ checkpoint and resumed gives the same weights as one that never stopped.
 The frozen target runs once per sequence, outside the differentiated
 function, with taps installed (`mlx_spec.taps.Taps`); its features and
 logits enter the loss as constants (`target_batch`). Sequences are capped at
-`max_length` tokens, so memory is bounded by that and `steps`.
+`max_length` tokens, so memory is bounded by that and `steps`. What the
+target computed for a sequence is kept for later epochs while it fits in
+`feature_cache_gb` (the target's forward is then paid once per sequence, not
+once per epoch); its logits are held in float16 whether kept or not, so a
+run computes the same numbers with or without the cache.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class Settings:
     checkpoint_every: int = 200
     log_every: int = 10
     taps: list = field(default_factory=list)
+    feature_cache_gb: float = 2.0  # target features kept across epochs (0: recompute every time)
 
 
 def schedule(s: Settings):
@@ -84,6 +89,8 @@ class Trainer:
         self.opt.init(head.trainable_parameters())
         self.step = 0
         self._grad = nn.value_and_grad(head, self._loss)
+        self._kept: dict[int, object] = {}  # sequence index -> its target Batch
+        self._kept_bytes = 0
 
     def _loss(self, batch):
         return loss_fn(self.head, self.embed, batch, self.s.taps, self.s.ttt_steps)
@@ -126,14 +133,13 @@ class Trainer:
         losses, accs = [], []
         try:
             while self.step < s.steps:
-                row = self.rows[order(n, s.seed, self.step)]
-                batch = target_batch(self.model, taps, row["tokens"], row["prompt_len"], self.d2t, self.index)
+                batch = self._batch(order(n, s.seed, self.step), taps)
                 (loss, acc), grads = self._grad(batch)
                 grads, _ = optim.clip_grad_norm(grads, s.clip)
                 self.opt.update(self.head, grads)
                 mx.eval(self.head.parameters(), self.opt.state, loss, acc)
                 self.step += 1
-                toks += len(row["tokens"])
+                toks += batch.tokens.shape[0]
                 losses.append(loss.item())
                 accs.append(np.array(acc))
                 if self.step % s.checkpoint_every == 0 or self.step == s.steps:
@@ -146,6 +152,19 @@ class Trainer:
         finally:
             taps.remove()
         return last
+
+    def _batch(self, i: int, taps):
+        """The target's features and logits for sequence `i`: computed, or kept from before."""
+        if i in self._kept:
+            return self._kept[i]
+        row = self.rows[i]
+        b = target_batch(self.model, taps, row["tokens"], row["prompt_len"], self.d2t, self.index)
+        b.target_logits = b.target_logits.astype(mx.float16)
+        mx.eval(b.target_logits)
+        size = sum(a.nbytes for a in (b.tokens, b.target_logits, b.target_top, *b.taps.values()))
+        if self._kept_bytes + size <= self.s.feature_cache_gb * 2**30:
+            self._kept[i], self._kept_bytes = b, self._kept_bytes + size
+        return b
 
     def _progress(self, losses, accs, toks, dt) -> dict:
         s = self.s
