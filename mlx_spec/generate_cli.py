@@ -139,10 +139,10 @@ def make_drafter(args, model, model_path: str):
         raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
     kind = args.draft or "ngram"
     tree_budget = getattr(args, "tree_budget", None)  # block drafters (head folders, dspark)
-    if tree_budget is not None and kind in ("none", "ngram", "mtp"):
+    if tree_budget is not None and kind in ("none", "ngram"):
         raise ValueError(f"--tree-budget drafts trees with a draft model (--draft-model PATH), an EAGLE "
-                         f"head or a block drafter (a DFlash or DSpark head: --draft PATH or --draft "
-                         f"dspark), not with --draft {kind}")
+                         f"or MTP head or a block drafter (a DFlash or DSpark head: --draft PATH, --draft "
+                         f"mtp or --draft dspark), not with --draft {kind}")
     options = {} if tree_budget is None else {"tree_budget": tree_budget}
     if branches != 1 and kind != "ngram":
         raise ValueError(f"--branches drafts trees with the n-gram and draft-model drafters; "

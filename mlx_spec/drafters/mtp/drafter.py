@@ -7,6 +7,12 @@ its next token, which is the y of the next proposal). `propose(y, k)` feeds the
 queue plus y (committed positions), then chains k-1 steps on the module's own
 output; `commit` trims those k-1 drafted positions off again and queues the
 target's hidden states for the tokens it kept. Everything in `propose` is lazy.
+
+With `tree_budget` the proposal is an EAGLE-2 dynamic tree (`mlx_spec.dynamic_tree`)
+instead of a chain: each depth's frontier is fed through the module at once, each
+node seeing the committed positions and its own ancestors, and every tree row is
+trimmed at commit like a chain's drafted positions. Modules whose cache is not one
+plain KV layer (DSA's indexer keys, multi-block Nemotron-H, DeepSeek-V4) draft chains.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from mlx_lm.models.cache import KVCache
+
+from ... import dynamic_tree, tree
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack, embedding
@@ -32,8 +41,13 @@ class MTPDrafter(SavesState):
 
     max_draft = MAX_DRAFT
 
-    def __init__(self, head: MTPHead, config: MTPConfig):
+    def __init__(self, head: MTPHead, config: MTPConfig, tree_budget: int | None = None, tree_width: int = 4):
+        dynamic_tree.check_settings(tree_budget, tree_width)
+        if tree_budget is not None and type(head.make_cache()) is not KVCache:
+            raise ValueError(f"{config.family} MTP modules draft chains only (their cache is not one plain "
+                             "KV layer, so tree rows cannot be masked per node): leave tree_budget out")
         self.head, self.config = head, config
+        self.tree_budget, self.tree_width = tree_budget, tree_width
         self.taps: tuple = (FINAL_NORM,)
         self._bound = False
         self._reset()
@@ -57,8 +71,7 @@ class MTPDrafter(SavesState):
 
     def _run(self, hidden: mx.array, tokens: mx.array):
         """(logits [T, V], the hidden states a chained step feeds back [T, H])."""
-        logits, o, g = self.head(hidden, tokens, self.cache[0], self._embed, self._lm_head)
-        return logits, (g if self.config.hidden_state == "final_norm" else o)
+        return self._run_on(self.cache[0], hidden, tokens)
 
     def prefill(self, tokens: Sequence[int], taps: dict | None) -> None:
         if not self._bound:
@@ -84,6 +97,8 @@ class MTPDrafter(SavesState):
         logits, fed = self._run(hidden, mx.array(self._tokens + [int(y)], mx.uint32))
         logits, fed = logits[-1], fed[-1:]  # [V], [1, H]: the committed prefix is fed
         self._hidden, self._tokens = [], []
+        if self.tree_budget is not None:
+            return self._grow(fed, logits, k, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the module's own output stands in for h
             nonlocal fed
@@ -92,6 +107,28 @@ class MTPDrafter(SavesState):
 
         self._drafted = k - 1
         return chain(logits, k, sampling, step)
+
+    def _grow(self, fed: mx.array, logits: mx.array, k: int, sampling: Sampling) -> Draft:
+        """An EAGLE-2 dynamic tree from the root's fed-back hidden state [1, H] and logits."""
+        base, feds = self.cache[0].offset, [fed]  # feds[-1]: what the last depth feeds back
+
+        def step(tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
+            w = tokens.shape[0]
+            parent = mx.broadcast_to(feds[-1], (w, feds[-1].shape[-1])) if slots is None else feds[-1][slots]
+            logits, nxt = tree.call_block(self.head, self.cache, mask, [shift] * w,
+                                          lambda cache: self._run_on(cache[0], parent, tokens))
+            feds.append(nxt)
+            return logits
+
+        budget = self.tree_budget
+        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
+                                     sampling=sampling)
+        self._drafted = self.cache[0].offset - base  # every tree row: commit drops them all
+        return draft
+
+    def _run_on(self, cache, hidden: mx.array, tokens: mx.array):
+        logits, o, g = self.head(hidden, tokens, cache, self._embed, self._lm_head)
+        return logits, (g if self.config.hidden_state == "final_norm" else o)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
         rows = taps[self.taps[0]]  # [n + 1, H] at the kept inputs [y, d0 .. d(n-1)]

@@ -112,8 +112,9 @@ def build_head(cfg: MTPConfig, args, weights: dict) -> MTPHead:
 def probe(folder, config: dict, model, **options) -> MTPDrafter | None:
     """The MTP drafter of a target checkpoint folder, or None when it has no MTP module.
 
-    `options` are meant for another kind's probe (load_drafter asks each in turn);
-    an MTP drafter takes none, so they are refused only when MTP weights are found.
+    `options` may be meant for another kind's probe (load_drafter asks each in turn);
+    an MTP drafter takes `tree_budget` and `tree_width` only, so others are refused
+    only when MTP weights are found.
     """
     family = family_of(config)
     if family is None:
@@ -123,14 +124,16 @@ def probe(folder, config: dict, model, **options) -> MTPDrafter | None:
     found = extract(Path(folder), config)
     if found is None:
         return None
-    if options:
-        raise ValueError(f"{folder} carries an MTP module; MTP drafters take no options, "
-                         f"got {sorted(options)}")
+    other = sorted(set(options) - {"tree_budget", "tree_width"})
+    if other:
+        raise ValueError(f"{folder} carries an MTP module; MTP drafters take tree_budget and "
+                         f"tree_width only, got {other}")
     cfg, weights, _ = found
-    return MTPDrafter(build_head(cfg, args, weights), cfg)
+    return MTPDrafter(build_head(cfg, args, weights), cfg, **options)
 
 
-def load_head_folder(folder, config: dict, model) -> MTPDrafter:
+def load_head_folder(folder, config: dict, model, tree_budget: int | None = None,
+                     tree_width: int = 4) -> MTPDrafter:
     """An extracted MTP head folder (`mlx-spec convert head ... --format mtp`)."""
     cfg = MTPConfig.from_dict(config)
     have = family_of({"model_type": getattr(model, "model_type", None)})
@@ -141,21 +144,23 @@ def load_head_folder(folder, config: dict, model) -> MTPDrafter:
         )
     args = text_args(cfg.family, model=model)
     weights = mx.load(str(Path(folder) / "model.safetensors"))
-    return MTPDrafter(build_head(cfg, args, weights), cfg)
+    return MTPDrafter(build_head(cfg, args, weights), cfg, tree_budget, tree_width)
 
 
-def load_mtp(path, model, hidden_state: str | None = None) -> MTPDrafter:
+def load_mtp(path, model, hidden_state: str | None = None, **options) -> MTPDrafter:
     """Python API: the MTP drafter in `path` (target checkpoint or head folder).
 
-    `hidden_state` overrides the feature the head reads ("final_norm" or "last_layer").
+    `hidden_state` overrides the feature the head reads ("final_norm" or "last_layer");
+    `options`: `tree_budget`, `tree_width` (EAGLE-2 dynamic trees instead of chains).
     """
     from ...heads import load_drafter
 
-    drafter = load_drafter(path, model, kind="mtp")
+    drafter = load_drafter(path, model, kind="mtp", **options)
     if hidden_state is not None and hidden_state != drafter.config.hidden_state:
         from dataclasses import replace
 
-        drafter = MTPDrafter(drafter.head, replace(drafter.config, hidden_state=hidden_state))
+        drafter = MTPDrafter(drafter.head, replace(drafter.config, hidden_state=hidden_state),
+                             drafter.tree_budget, drafter.tree_width)
     return drafter
 
 
