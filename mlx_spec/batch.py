@@ -30,7 +30,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import batch_cache, tree, verify
+from . import batch_cache, batch_plain, tree, verify
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY
 from .identity import Claims
@@ -58,6 +58,7 @@ class BatchDecoder:
         self.active: list[Row] = []  # decoding; merged into `self.batch` when more than one
         self.done: dict = {}  # finished rows the caller has not released yet
         self.batch: list | None = None
+        self.flight = None  # a batched plain step in flight (batch_plain), built ahead
         self._uids = itertools.count()
         self._said_solo = self._said_chain = False
 
@@ -146,8 +147,14 @@ class BatchDecoder:
     def _batchable(self, row: Row) -> bool:
         return row.cache is None or (row.req.kv_bits is None and batch_cache.batchable(row.cache))
 
+    def _land(self) -> None:
+        """Take back a batched plain step in flight: the batch is about to change."""
+        batch_plain.land(self.flight, self.active)
+        self.flight = None
+
     def _start(self, row: Row) -> None:
         row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
+        self._land()
         if self.active:
             verify.land(self.active[0])  # a batch verifies every row's y itself
             if self.batch is None:
@@ -163,6 +170,8 @@ class BatchDecoder:
         self.width = len(rows)
         t0 = time.perf_counter()
         choices = choose_lengths(self.model, rows)
+        if self.flight is not None:  # this step is the plain one already in flight
+            choices = [(0, None)] * len(rows)
         try:
             with step_clock():  # the drafters' forwards and the verify: one busy span for MLX
                 drafts, verdicts = self._draft_and_verify(rows, choices)
@@ -200,6 +209,11 @@ class BatchDecoder:
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
         if len(rows) == 1 and verify.pipelined(rows[0]):
             return drafts, [verify.plain(self.model, rows[0])]
+        if len(rows) > 1 and all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
+            ahead = all(k == 0 for k, _ in choices)  # parked: the next step is plain too
+            verdicts, self.flight = batch_plain.step(self.model, cache, rows, self.flight, ahead)
+            return drafts, verdicts
+        self._land()
         return drafts, verify.verify(self.model, cache, rows, drafts)
 
     def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
@@ -225,6 +239,7 @@ class BatchDecoder:
     def _finish(self, row: Row) -> None:
         """Take a row out of the batch (its cache back as its own); it waits for `release`."""
         if row in self.active:
+            self._land()
             i = self.active.index(row)
             if self.batch is not None:
                 row.cache = batch_cache.extract(self.batch, i)

@@ -1,0 +1,91 @@
+"""Plain steps of a whole batch, pipelined as mlx-lm's batch generator does.
+
+When no row of the batch drafts this step (no drafter, or every row's policy
+parked drafting), the step is one token per row. Such a step is built on the
+previous one's lazy tokens and queued (`mx.async_eval`) before those tokens are
+read, so Python builds step n+1 while MLX evaluates step n, as `verify.plain`
+does for a single row. The step in flight is used by the next `step` call when
+the batch is unchanged; anything that changes the batch first takes it back
+(`land`: its checkpoint restores every layer, recurrent states included).
+
+Rows qualify when nothing per step needs the host between their tokens: no
+logits processors, no quantized cache, and a drafter that reads no target
+hidden states (the n-gram drafter is told its tokens afterwards, as usual).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .batch_cache import BatchCheckpoint
+from .verify import Verdict, log_softmax
+
+
+@dataclass
+class Flight:
+    """A batched plain step in flight."""
+
+    uids: tuple  # the rows it was built for, in batch order
+    tokens: mx.array  # [B] lazy: each row's next token
+    logits: mx.array  # [B, V]
+    ckpt: BatchCheckpoint  # the batch cache before it
+    queued: float  # when MLX had it (perf_counter)
+
+
+def eligible(row) -> bool:
+    drafter = row.drafter
+    return (not row.req.logits_processors and row.req.kv_bits is None
+            and (drafter is None or not drafter.taps))
+
+
+def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flight:
+    """Queue one plain step of every row on `inputs` [B] (lazy or not): the row's step
+    `steps + later` (its random stream is that step's, as a verify step's would be)."""
+    ckpt = BatchCheckpoint(cache, model)
+    logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]  # [B, V]
+    if all(r.req.sampling.greedy for r in rows):
+        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    else:
+        draws = []
+        for i, row in enumerate(rows):
+            row.seed_rng(1, row.steps + later)
+            draws.append(row.req.sampling.sample(logits[i]).astype(mx.uint32).reshape(()))
+        tokens = mx.stack(draws)
+    queued = time.perf_counter()
+    mx.async_eval(tokens)
+    for row in rows:
+        row.consumed += 1
+    return Flight(tuple(r.uid for r in rows), tokens, logits, ckpt, queued)
+
+
+def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> tuple[list, Flight | None]:
+    """This step's verdicts (one token per row) and, when `ahead`, the next step in flight."""
+    start = time.perf_counter()
+    if flight is None or flight.uids != tuple(r.uid for r in rows):
+        if flight is not None:
+            land(flight, rows)
+        flight = launch(model, cache, rows, mx.array([r.y for r in rows], mx.uint32), 0)
+    room = all(r.req.max_tokens is None or r.req.max_tokens - len(r.out) > 1 for r in rows)
+    nxt = launch(model, cache, rows, flight.tokens, 1) if ahead and room else None
+    tic = max(start, flight.queued)
+    tokens = flight.tokens.tolist()  # the one sync
+    wait = time.perf_counter() - tic
+    verdicts = []
+    for i, row in enumerate(rows):
+        row.sync_seconds += wait
+        row.last = None  # a one-token block: nothing of it is ever taken back
+        verdicts.append(Verdict([], 0, tokens[i], None, log_softmax(flight.logits[i : i + 1]), 0))
+    return verdicts, nxt
+
+
+def land(flight: Flight | None, rows: list) -> None:
+    """Take a step in flight back out of the batch cache (before the batch changes)."""
+    if flight is None:
+        return
+    flight.ckpt.restore()
+    for row in rows:
+        if row.uid in flight.uids:
+            row.consumed -= 1
