@@ -1,13 +1,14 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
-    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto] [...] [desync]
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head] [...] [desync]
     python tests/dist_worker.py OUT_DIR lossless RUNS
 
 For each setup (a target folder sharded by MODE, a draft model folder) it writes
 OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
 with each other and with the unsharded target; one launch checks several setups
 (starting ranks costs seconds). `desync`: rank 1's drafter proposes other tokens
-from its third proposal on (the sync check must fire).
+from its third proposal on (the sync check must fire). `head`: DRAFT is a converted
+EAGLE-3 head folder (it reads decoder-layer taps), run greedy and sampled, traced.
 """
 
 import json
@@ -69,7 +70,10 @@ def main() -> None:
         if "desync" in sys.argv:
             tokens(model, tok, PROMPTS[0], Desynced(), num_draft_tokens=3)
             return
-        results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
+        if "head" in flags:
+            results[setup] = run_head(model, tok, target, draft, "quick" in flags)
+        else:
+            results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
@@ -106,6 +110,27 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
                            prompt_cache=cache)
             plain = tokens(target_model, tok, PROMPTS[0] + seen + [3, 4], None)
             result[name] = [seen, turn2, plain]
+    return result
+
+
+def traced(model, tok, prompt, drafter, **kw):
+    out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=N, trace=True,
+                                        num_draft_tokens=3, **kw))
+    return [r.token for r in out], [[t.proposed, t.accepted] for t in out[-1].stats.trace or []]
+
+
+def run_head(model, tok, target: str, head: str, quick: bool) -> dict:
+    """A head drafter reading layer taps: tokens and every step's proposal, on the sharded
+    and the unsharded target (the same head weights on both)."""
+    result = {}
+    reference, _ = mlx_spec.load(target)
+    for i, prompt in enumerate(PROMPTS[:1] if quick else PROMPTS):
+        result[f"unsharded{i}"] = tokens(reference, tok, prompt, None)
+        result[f"plain{i}"] = tokens(model, tok, prompt, None)
+        for seed in (None,) if quick else (None, 1):
+            opts = {} if seed is None else dict(temp=1.0, seed=seed)
+            for name, m in (("head", model), ("head_unsharded", reference)):
+                result[f"{name}{i}_{seed}"] = traced(m, tok, prompt, mlx_spec.load_drafter(head, m), **opts)
     return result
 
 
