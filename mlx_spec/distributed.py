@@ -228,31 +228,33 @@ def _gemma3_stage(model, inner, local: list) -> list:
     other positions: each of its layers makes its own mask from its own cache (every
     cache of one kind is at the same offset, so the mask is the whole model's), the
     model computes only one (unused) mask, and this instance builds caches for its own
-    layers, by the kind each layer was built as (`self_attn.is_sliding`)."""
+    layers, by the kind each layer was built as (`self_attn.is_sliding`). The window is
+    read when used (`inner.window_size`, as the model's own mask reads it)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-    window = inner.window_size
     sliding = [bool(layer.self_attn.is_sliding) for layer in local]
     inner.sliding_window_pattern = 1  # one mask, from cache[0], which every stage has
 
     def make_cache():
-        return [RotatingKVCache(max_size=window) if s else KVCache() for s in sliding]
+        return [RotatingKVCache(max_size=inner.window_size) if s else KVCache() for s in sliding]
 
     object.__setattr__(getattr(model, "language_model", model), "make_cache", make_cache)
-    return [_OwnMask(layer, window if s else None) for layer, s in zip(local, sliding)]
+    return [_OwnMask(layer, (lambda: inner.window_size) if s else (lambda: None))
+            for layer, s in zip(local, sliding)]
 
 
 class _OwnMask(SeeThrough):
     """A gemma3 stage layer: its attention mask from its own cache, whatever it is passed."""
 
-    def __init__(self, inner, window: int | None):
+    def __init__(self, inner, window):
         super().__init__(inner)
-        self._window = window
+        self.window = window  # () -> the sliding window, or None for a global layer
 
     def __call__(self, h, mask=None, cache=None, **kwargs):
         from mlx_lm.models.base import create_attention_mask
 
-        return self.inner(h, create_attention_mask(h, cache, window_size=self._window), cache, **kwargs)
+        mask = create_attention_mask(h, cache, window_size=self.window())
+        return self.inner(h, mask, cache, **kwargs)
 
 
 class _Receive(SeeThrough):

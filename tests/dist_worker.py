@@ -2,6 +2,7 @@
 
     python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head] [...] [desync]
     python tests/dist_worker.py OUT_DIR lossless RUNS
+    python tests/dist_worker.py OUT_DIR real TARGET WINDOW TOKENS PROMPT [...]
 
 For each setup (a target folder sharded by MODE, a draft model folder) it writes
 OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
@@ -58,9 +59,25 @@ def lossless(out: str, runs: int) -> None:
         {"tokens": got.tokens.tolist(), "deep_first_steps": deep}))
 
 
+def real(out: str, target: str, window: int, n: int, prompts: list[str]) -> None:
+    """Real weights on a pipeline split, the sliding window cut to `window` (gemma3):
+    greedy tokens, plain and n-gram (k = 3), for each prompt."""
+    group = distributed.init()
+    model, tok = distributed.load(target, "pipeline", group)
+    model.args.sliding_window = model.model.window_size = window
+    result = {"layout": distributed.describe(model)}
+    for i, text in enumerate(prompts):
+        ids = tok.encode(text)
+        run = lambda d, **kw: [r.token for r in mlx_spec.stream_generate(model, tok, ids, d, max_tokens=n, **kw)]
+        result[f"plain{i}"], result[f"ngram{i}"] = run(None), run(mlx_spec.NGramDrafter(), num_draft_tokens=3)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     if sys.argv[2] == "lossless":
         return lossless(sys.argv[1], int(sys.argv[3]))
+    if sys.argv[2] == "real":
+        return real(sys.argv[1], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])
     out, setups = sys.argv[1], [a for a in sys.argv[2:] if a != "desync"]
     group = distributed.init()
     results = {}
