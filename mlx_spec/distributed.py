@@ -40,7 +40,7 @@ import mlx.core as mx
 
 from . import watchdog
 from .stage_taps import GatherAtNorm, StageTaps
-from .taps import SeeThrough, decoder_stack
+from .taps import SeeThrough, decoder_stack, final_norm_name
 
 CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
 LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
@@ -166,7 +166,11 @@ def shard_model(model, mode: str, group) -> Shard:
         if hasattr(inner, "pipeline"):  # mlx-lm's own (rank 0 holds the *last* layers)
             inner.pipeline(group)
             span = (inner.start_idx, inner.end_idx)
-            inner.norm = GatherAtNorm(inner.norm, taps)
+            norm = final_norm_name(inner)  # applied after mlx-lm's all_gather, on every rank
+            if norm:
+                setattr(inner, norm, GatherAtNorm(getattr(inner, norm), taps))
+            else:  # nowhere to gather layer taps: Taps refuses them
+                taps = None
         elif family in STAGED:
             span = _stage(model, inner, group, stats, taps)
             offset = span[0]

@@ -28,8 +28,9 @@ class SeeThrough(nn.Module):
     """A module wrapping `inner` whose attributes it passes on (models read attributes of
     their layers, e.g. `layer.use_sliding`)."""
 
-    # A wrapper whose output is not its inner module's (a pipeline stage's last layer, which
-    # hands every rank the last stage's output): taps go inside it.
+    # A wrapper whose input or output is not its inner module's (a pipeline stage's first
+    # layer receives its input; its last hands every rank the last stage's output): taps
+    # go inside it.
     tap_inside = False
 
     def __init__(self, inner: nn.Module):
@@ -152,6 +153,11 @@ class Taps:
         # layer taps to every rank within each forward (mlx_spec/stage_taps.py).
         self._stage = shard.taps if shard is not None and shard.mode == "pipeline" else None
         self._staged: list = []
+        if shard is not None and shard.mode == "pipeline" and self._stage is None and any(
+                t != FINAL_NORM for t in self.ids):
+            raise ValueError(f"this drafter reads hidden states of decoder layers {list(self.ids)}, "
+                             "which sit on other ranks, and this target's pipeline split has no "
+                             "final norm to gather them at; use --shard tensor")
         n = layer_count(model)
         for tid in self.ids:  # all ids are checked before anything is wrapped
             if tid == FINAL_NORM and final_norm_name(self.stack) is None:

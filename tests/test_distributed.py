@@ -296,6 +296,10 @@ def test_layer_taps_on_pipeline_stages():
     taps.remove()
     assert not shard.taps.entries and not isinstance(first.inner, _Recorder)
     assert not isinstance(last.inner, _Recorder)
+    shard.taps = None  # (an mlx-lm pipeline() family without a final norm to gather at)
+    with pytest.raises(ValueError, match="no final norm to gather them at"):
+        Taps(model, [1])
+    Taps(model, [FINAL_NORM]).remove()  # computed on every rank
 
 
 def test_gemma3_stage_layers_keep_their_kind():
