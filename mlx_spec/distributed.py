@@ -39,14 +39,16 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import watchdog
-from .taps import SeeThrough, decoder_stack
+from .stage_taps import GatherAtNorm, StageTaps
+from .taps import SeeThrough, decoder_stack, final_norm_name
 
 CHECK_ENV = "MLX_SPEC_CHECK_SYNC"
 LATENCY_ENV = "MLX_SPEC_LINK_LATENCY_MS"
 MODES = ("pipeline", "tensor")
 DEFAULT_TIMEOUT = watchdog.DEFAULT_TIMEOUT
-# Families whose inner model is "embed_tokens -> layers -> norm" with one cache per layer.
-STAGED = {"llama", "qwen3", "mistral"}
+# Families whose inner model is "embed_tokens -> layers -> norm" with one cache per layer
+# (gemma3: each stage layer makes its own mask, see `_gemma3_stage`).
+STAGED = {"llama", "qwen3", "mistral", "gemma3_text", "gemma3"}
 
 
 class ConnectError(ValueError):
@@ -64,6 +66,8 @@ class Shard:
     layers: tuple[int, int]  # this rank's layers [start, end) (all of them under tensor)
     total_layers: int
     stats: "LinkStats"
+    taps: StageTaps | None = None  # layer taps gathered on every rank (pipeline)
+    offset: int = 0  # index in the layer list of layer 0 (our stages keep only their own)
 
     @property
     def rank(self) -> int:
@@ -72,6 +76,11 @@ class Shard:
     @property
     def size(self) -> int:
         return self.group.size()
+
+    def local_index(self, layer: int) -> int | None:
+        """Where decoder layer `layer` sits in this rank's layer list; None on other ranks."""
+        start, end = self.layers
+        return layer - self.offset if start <= layer < end else None
 
 
 class LinkStats:
@@ -141,6 +150,7 @@ def shard_model(model, mode: str, group) -> Shard:
     total = len(model.layers)
     size, rank = group.size(), group.rank()
     stats = LinkStats()
+    taps, offset = StageTaps(group, stats), 0
     if mode == "tensor":
         if not hasattr(model, "shard"):
             raise ValueError(f"model family {family!r} has no tensor-parallel shard() in mlx-lm; "
@@ -156,14 +166,20 @@ def shard_model(model, mode: str, group) -> Shard:
         if hasattr(inner, "pipeline"):  # mlx-lm's own (rank 0 holds the *last* layers)
             inner.pipeline(group)
             span = (inner.start_idx, inner.end_idx)
+            norm = final_norm_name(inner)  # applied after mlx-lm's all_gather, on every rank
+            if norm:
+                setattr(inner, norm, GatherAtNorm(getattr(inner, norm), taps))
+            else:  # nowhere to gather layer taps: Taps refuses them
+                taps = None
         elif family in STAGED:
-            span = _stage(inner, group, stats)
+            span = _stage(model, inner, group, stats, taps)
+            offset = span[0]
         else:
             raise ValueError(f"model family {family!r} cannot be split into pipeline stages yet "
                              f"(supported: mlx-lm pipeline() families, and {', '.join(sorted(STAGED))})")
     else:
         raise ValueError(f"--shard must be one of {', '.join(MODES)}, got {mode!r}")
-    shard = Shard(group, mode, span, total, stats)
+    shard = Shard(group, mode, span, total, stats, taps, offset)
     object.__setattr__(model, "_mlx_spec_shard", shard)  # a plain attribute, not a parameter
     stack = decoder_stack(model)  # counts forwards (watchdog); checks them in debug mode
     stack.embed_tokens = _Forward(stack.embed_tokens, shard,
@@ -187,14 +203,16 @@ def _split(total: int, size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (rank < extra)
 
 
-def _stage(inner, group, stats: LinkStats) -> tuple[int, int]:
+def _stage(model, inner, group, stats: LinkStats, taps: StageTaps) -> tuple[int, int]:
     """Keep this rank's layers in `inner` (an instance), wrapped to receive and send."""
     size, rank = group.size(), group.rank()
     start, end = _split(len(inner.layers), size, rank)
     local = list(inner.layers[start:end])
+    if hasattr(inner, "sliding_window_pattern"):  # gemma3
+        local = _gemma3_stage(model, inner, local)
     if rank > 0:
         local[0] = _Receive(local[0], group, stats)
-    local[-1] = _SendOn(local[-1], group, stats)
+    local[-1] = _SendOn(local[-1], group, taps)
     inner.layers = local
     # llama keeps the index of its first full-attention (and sliding) layer for the masks
     for attr, sliding in (("fa_idx", False), ("swa_idx", True)):
@@ -207,8 +225,46 @@ def _stage(inner, group, stats: LinkStats) -> tuple[int, int]:
     return start, end
 
 
+def _gemma3_stage(model, inner, local: list) -> list:
+    """Gemma 3 picks each layer's mask (sliding window or global) by its position in the
+    layer list, from the caches at positions 0 and `sliding_window_pattern - 1`, and its
+    `make_cache` builds caches by position for every layer of the model. A stage holds
+    other positions: each of its layers makes its own mask from its own cache (every
+    cache of one kind is at the same offset, so the mask is the whole model's), the
+    model computes only one (unused) mask, and this instance builds caches for its own
+    layers, by the kind each layer was built as (`self_attn.is_sliding`). The window is
+    read when used (`inner.window_size`, as the model's own mask reads it)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    sliding = [bool(layer.self_attn.is_sliding) for layer in local]
+    inner.sliding_window_pattern = 1  # one mask, from cache[0], which every stage has
+
+    def make_cache():
+        return [RotatingKVCache(max_size=inner.window_size) if s else KVCache() for s in sliding]
+
+    object.__setattr__(getattr(model, "language_model", model), "make_cache", make_cache)
+    return [_OwnMask(layer, (lambda: inner.window_size) if s else (lambda: None))
+            for layer, s in zip(local, sliding)]
+
+
+class _OwnMask(SeeThrough):
+    """A gemma3 stage layer: its attention mask from its own cache, whatever it is passed."""
+
+    def __init__(self, inner, window):
+        super().__init__(inner)
+        self.window = window  # () -> the sliding window, or None for a global layer
+
+    def __call__(self, h, mask=None, cache=None, **kwargs):
+        from mlx_lm.models.base import create_attention_mask
+
+        mask = create_attention_mask(h, cache, window_size=self.window())
+        return self.inner(h, mask, cache, **kwargs)
+
+
 class _Receive(SeeThrough):
     """The first layer of a later stage: its input comes from the rank before."""
+
+    tap_inside = True  # a tap of its input means the layer's input, not the embedding
 
     def __init__(self, inner, group, stats):
         super().__init__(inner)
@@ -221,11 +277,14 @@ class _Receive(SeeThrough):
 
 
 class _SendOn(SeeThrough):
-    """The last layer of a stage: send its output on; every rank gets the last stage's."""
+    """The last layer of a stage: send its output on; every rank gets the last stage's
+    (and, on the same message, the layer taps of every stage: `StageTaps.ride`)."""
 
-    def __init__(self, inner, group, stats):
+    tap_inside = True  # its output is the last stage's, not this layer's
+
+    def __init__(self, inner, group, taps: StageTaps):
         super().__init__(inner)
-        self._group, self._stats = group, stats
+        self._group, self._stats, self._taps = group, taps.stats, taps
 
     def __call__(self, h, mask=None, cache=None, **kwargs):
         out = self.inner(h, mask, cache, **kwargs)
@@ -239,8 +298,7 @@ class _SendOn(SeeThrough):
             else:  # (quantized caches hold tuples) send as soon as the stage is computed
                 mx.async_eval(sent)
             out = mx.depends(mx.zeros_like(out), sent)
-        self._stats.message()
-        return mx.distributed.all_sum(out, group=group)  # the last stage's h, on every rank
+        return self._taps.ride(out)  # the last stage's h, on every rank
 
 
 class _Forward(SeeThrough):

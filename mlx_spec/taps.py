@@ -28,6 +28,11 @@ class SeeThrough(nn.Module):
     """A module wrapping `inner` whose attributes it passes on (models read attributes of
     their layers, e.g. `layer.use_sliding`)."""
 
+    # A wrapper whose input or output is not its inner module's (a pipeline stage's first
+    # layer receives its input; its last hands every rank the last stage's output): taps
+    # go inside it.
+    tap_inside = False
+
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
@@ -84,10 +89,14 @@ def final_norm_name(stack) -> str | None:
 
 
 def embedding(stack) -> nn.Module:
-    """The stack's token embedding: `embed_tokens` (most models), `embeddings` (Nemotron-H)."""
+    """The stack's token embedding: `embed_tokens` (most models), `embeddings` (Nemotron-H),
+    without wrappers (a drafter's lookups are not target forwards)."""
     for name in ("embed_tokens", "embeddings"):
         if name in stack:
-            return stack[name]
+            m = stack[name]
+            while isinstance(m, SeeThrough):
+                m = m.inner
+            return m
     raise ValueError(f"cannot find the token embedding of {type(stack).__name__} (embed_tokens)")
 
 
@@ -117,6 +126,12 @@ def in_pieces(model, calls) -> list:
     return results
 
 
+def layer_count(model) -> int:
+    """The target's decoder layers, all ranks' together on a sharded target."""
+    shard = getattr(model, "_mlx_spec_shard", None)
+    return shard.total_layers if shard is not None else len(decoder_stack(model).layers)
+
+
 def _recorder(m) -> _Recorder | None:
     """The recorder in a chain of wrappers (another wrapper may sit on top for one forward)."""
     while isinstance(m, SeeThrough) and not isinstance(m, _Recorder):
@@ -131,16 +146,19 @@ class Taps:
         self.ids = tuple(ids)
         self.stack = decoder_stack(model)
         layers = self.stack.layers
-        n = len(layers)
         self._installed: list[tuple[object, object, _Recorder]] = []  # (owner, key, recorder)
         self._where: dict[object, tuple[_Recorder, str]] = {}
         shard = getattr(model, "_mlx_spec_shard", None)
-        if shard is not None and shard.mode == "pipeline" and any(t != FINAL_NORM for t in self.ids):
-            raise ValueError(
-                f"this drafter reads hidden states of decoder layers {list(self.ids)}, which sit on "
-                "other ranks of a pipeline-sharded target: not supported yet; use --shard tensor "
-                "(every rank sees every layer's output), or an n-gram or draft-model drafter"
-            )
+        # On a pipeline split a layer's output lives on one rank; `Shard.taps` brings the
+        # layer taps to every rank within each forward (mlx_spec/stage_taps.py).
+        self._stage = shard.taps if shard is not None and shard.mode == "pipeline" else None
+        self._staged: list = []
+        if shard is not None and shard.mode == "pipeline" and self._stage is None and any(
+                t != FINAL_NORM for t in self.ids):
+            raise ValueError(f"this drafter reads hidden states of decoder layers {list(self.ids)}, "
+                             "which sit on other ranks, and this target's pipeline split has no "
+                             "final norm to gather them at; use --shard tensor")
+        n = layer_count(model)
         for tid in self.ids:  # all ids are checked before anything is wrapped
             if tid == FINAL_NORM and final_norm_name(self.stack) is None:
                 raise ValueError(f"{type(model).__name__} has no final norm to tap")
@@ -150,13 +168,32 @@ class Taps:
                     f"(valid: 0..{n - 1}, {EMBED!r}, {FINAL_NORM!r})"
                 )
         for tid in self.ids:
-            if tid == FINAL_NORM:
+            if tid == FINAL_NORM:  # runs on every rank
                 norm = final_norm_name(self.stack)
                 self._where[tid] = (self._wrap(self.stack, norm, attr=True, keep_output=True), "out")
+            elif self._stage is not None:
+                if tid not in self._where:
+                    self._add_staged(shard, tid)
             elif tid == EMBED:
                 self._where[tid] = (self._wrap(layers, 0, attr=False, keep_input=True), "inp")
             else:
                 self._where[tid] = (self._wrap(layers, tid, attr=False, keep_output=True), "out")
+
+    def _add_staged(self, shard, tid) -> None:
+        """A layer tap of a pipeline split: recorded on the rank holding the layer, read
+        on every rank from the stage gather."""
+        local, source = shard.local_index(0 if tid == EMBED else tid), None
+        if local is not None:
+            owner, key, attr = self.stack.layers, local, False
+            current = owner[key]
+            while getattr(current, "tap_inside", False):
+                owner, key, attr, current = current, "inner", True, current.inner
+            slot = "inp" if tid == EMBED else "out"
+            source = (self._wrap(owner, key, attr, keep_input=tid == EMBED,
+                                 keep_output=tid != EMBED), slot)
+        self._stage.add(tid, source)
+        self._staged.append(tid)
+        self._where[tid] = (None, tid)
 
     def _wrap(self, owner, key, attr: bool, keep_input=False, keep_output=False) -> _Recorder:
         current = getattr(owner, key) if attr else owner[key]
@@ -177,7 +214,8 @@ class Taps:
 
     def read(self, row: int = 0) -> dict:
         """{id: [T, H]} of batch row `row` in the last forward."""
-        return {tid: getattr(rec.seen, slot)[row] for tid, (rec, slot) in self._where.items()}
+        return {tid: (self._stage.values[slot] if rec is None else getattr(rec.seen, slot))[row]
+                for tid, (rec, slot) in self._where.items()}
 
     def remove(self) -> None:
         """Stop reading; a recorder no other live `Taps` reads is unwrapped."""
@@ -190,6 +228,9 @@ class Taps:
             else:
                 setattr(owner, key, rec.inner)
         self._installed.clear()
+        for tid in self._staged:
+            self._stage.drop(tid)
+        self._staged.clear()
 
     def __enter__(self):
         return self

@@ -1,13 +1,15 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
-    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto] [...] [desync]
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head] [...] [desync]
     python tests/dist_worker.py OUT_DIR lossless RUNS
+    python tests/dist_worker.py OUT_DIR real TARGET WINDOW TOKENS PROMPT [...]
 
 For each setup (a target folder sharded by MODE, a draft model folder) it writes
 OUT_DIR/rank{r}.json with the tokens of every run, so the test compares ranks
 with each other and with the unsharded target; one launch checks several setups
 (starting ranks costs seconds). `desync`: rank 1's drafter proposes other tokens
-from its third proposal on (the sync check must fire).
+from its third proposal on (the sync check must fire). `head`: DRAFT is a converted
+EAGLE-3 head folder (it reads decoder-layer taps), run greedy and sampled, traced.
 """
 
 import json
@@ -57,9 +59,25 @@ def lossless(out: str, runs: int) -> None:
         {"tokens": got.tokens.tolist(), "deep_first_steps": deep}))
 
 
+def real(out: str, target: str, window: int, n: int, prompts: list[str]) -> None:
+    """Real weights on a pipeline split, the sliding window cut to `window` (gemma3):
+    greedy tokens, plain and n-gram (k = 3), for each prompt."""
+    group = distributed.init()
+    model, tok = distributed.load(target, "pipeline", group)
+    model.args.sliding_window = model.model.window_size = window
+    result = {"layout": distributed.describe(model)}
+    for i, text in enumerate(prompts):
+        ids = tok.encode(text)
+        run = lambda d, **kw: [r.token for r in mlx_spec.stream_generate(model, tok, ids, d, max_tokens=n, **kw)]
+        result[f"plain{i}"], result[f"ngram{i}"] = run(None), run(mlx_spec.NGramDrafter(), num_draft_tokens=3)
+    Path(out, f"rank{group.rank()}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     if sys.argv[2] == "lossless":
         return lossless(sys.argv[1], int(sys.argv[3]))
+    if sys.argv[2] == "real":
+        return real(sys.argv[1], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6:])
     out, setups = sys.argv[1], [a for a in sys.argv[2:] if a != "desync"]
     group = distributed.init()
     results = {}
@@ -69,7 +87,10 @@ def main() -> None:
         if "desync" in sys.argv:
             tokens(model, tok, PROMPTS[0], Desynced(), num_draft_tokens=3)
             return
-        results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
+        if "head" in flags:
+            results[setup] = run_head(model, tok, target, draft, "quick" in flags)
+        else:
+            results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
@@ -106,6 +127,27 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
                            prompt_cache=cache)
             plain = tokens(target_model, tok, PROMPTS[0] + seen + [3, 4], None)
             result[name] = [seen, turn2, plain]
+    return result
+
+
+def traced(model, tok, prompt, drafter, **kw):
+    out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=N, trace=True,
+                                        num_draft_tokens=3, **kw))
+    return [r.token for r in out], [[t.proposed, t.accepted] for t in out[-1].stats.trace or []]
+
+
+def run_head(model, tok, target: str, head: str, quick: bool) -> dict:
+    """A head drafter reading layer taps: tokens and every step's proposal, on the sharded
+    and the unsharded target (the same head weights on both)."""
+    result = {}
+    reference, _ = mlx_spec.load(target)
+    for i, prompt in enumerate(PROMPTS[:1] if quick else PROMPTS):
+        result[f"unsharded{i}"] = tokens(reference, tok, prompt, None)
+        result[f"plain{i}"] = tokens(model, tok, prompt, None)
+        for seed in (None,) if quick else (None, 1):
+            opts = {} if seed is None else dict(temp=1.0, seed=seed)
+            for name, m in (("head", model), ("head_unsharded", reference)):
+                result[f"{name}{i}_{seed}"] = traced(m, tok, prompt, mlx_spec.load_drafter(head, m), **opts)
     return result
 
 

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
-from ..taps import EMBED, FINAL_NORM, decoder_stack, embedding
+from ..taps import EMBED, FINAL_NORM, decoder_stack, embedding, layer_count
 
 PREFILL_CHUNK = 512  # prompt positions a drafter consumes per forward in prefill (bounds its peak memory)
 
@@ -253,7 +253,7 @@ def check_target(
         if differ:
             problems.append(f"converted for another target ({'; '.join(differ)})")
     if layers:
-        n = len(decoder_stack(model).layers)
+        n = layer_count(model)
         bad = [t for t in layers if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n)]
         if bad:
             problems.append(f"reads target layers {bad}, but the target has {n} decoder layers (0..{n - 1})")
