@@ -285,7 +285,6 @@ class ShapeChoice:
     def __init__(self):
         self.rate: dict[int, float | None] = dict.fromkeys(self.SHAPES)
         self.picks = 0
-        self.counts = dict.fromkeys(self.SHAPES, 0)  # steps verified each way
 
     def pick(self) -> int:
         self.picks += 1
@@ -306,6 +305,5 @@ class ShapeChoice:
         return draft if shape and not is_chain(draft.parents) else as_chain(draft)
 
     def observe(self, shape: int, tokens: int, seconds: float) -> None:
-        self.counts[shape] += 1
         r, old = tokens / max(seconds, 1e-12), self.rate[shape]
         self.rate[shape] = r if old is None else old + self.EMA * (r - old)
