@@ -227,8 +227,8 @@ class BatchDecoder:
             if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
                 return draft
             row.shapes = row.shapes or tree.ShapeChoice()
-            row.shape_pick = row.shapes.pick()  # auto: tree or chain, by what each has paid
-            return draft if row.shape_pick else tree.as_chain(draft)
+            row.shape_pick = row.shapes.pick()  # auto: how much of the tree, by what each has paid
+            return row.shapes.apply(draft, row.shape_pick)
         if not self._said_chain:
             self._said_chain = True
             log.info("draft trees need a single request on a target with plain KV caches and "

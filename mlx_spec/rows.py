@@ -64,8 +64,8 @@ class Row:
         self.ahead = None  # a pipelined plain step in flight: (lazy token, its logits)
         self.launched = 0  # pipelined steps launched
         self.lengths = None  # draft-length policy, set when the row starts decoding
-        self.shapes = None  # tree.ShapeChoice: auto's tree-or-chain choice, when trees come
-        self.shape_pick: bool | None = None  # this step's choice (True: the whole tree)
+        self.shapes = None  # tree.ShapeChoice: auto's choice of how much of a tree, when trees come
+        self.shape_pick: int | None = None  # this step's choice (1: the whole tree, 0: a chain)
         self.steps = 0
         self.finish: str | None = None
         self.settled = False  # released: its drafter and prompt cache are free again

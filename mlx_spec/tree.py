@@ -272,29 +272,38 @@ def trie(sequences: Sequence[Sequence[int]], budget: int) -> tuple[list[int], tu
 
 
 class ShapeChoice:
-    """Per request: verify a drafter's tree whole, or only its first branch (a chain),
-    whichever has given more tokens per predicted second of step (the draft-length policy's
-    cost curve, not wall time, so seeded runs repeat). Each shape is tried once first, then
-    the other one every `EXPLORE`-th time, so a change in what pays is noticed."""
+    """Per request: how much of a drafter's tree to verify: all of it, its first half or
+    quarter of nodes (breadth-first, parents first: still a tree), or only its first branch
+    (a chain), whichever has given more tokens per predicted second of step (the
+    draft-length policy's cost curve, not wall time, so seeded runs repeat). Each shape is
+    tried once first, then every `EXPLORE`-th step one of the others, in turn, so a change
+    in what pays is noticed."""
 
+    SHAPES = (1, 2, 4, 0)  # verify the first 1/s of the tree's nodes; 0: its first branch
     EXPLORE, EMA = 8, 0.2
 
     def __init__(self):
-        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self.rate: dict[int, float | None] = dict.fromkeys(self.SHAPES)
         self.picks = 0
-        self.counts = {True: 0, False: 0}  # steps verified each way
 
-    def pick(self) -> bool:
-        """True: verify the whole tree."""
+    def pick(self) -> int:
         self.picks += 1
-        untried = [whole for whole, r in self.rate.items() if r is None]
+        untried = [s for s in self.SHAPES if self.rate[s] is None]
         if untried:
             return untried[0]
-        best = self.rate[True] >= self.rate[False]
-        return (not best) if self.picks % self.EXPLORE == 0 else best
+        ranked = sorted(self.SHAPES, key=lambda s: -self.rate[s])  # ties: the wider first
+        if self.picks % self.EXPLORE:
+            return ranked[0]
+        return ranked[1 + self.picks // self.EXPLORE % (len(ranked) - 1)]
 
-    def observe(self, whole: bool, tokens: int, seconds: float) -> None:
-        self.counts[whole] += 1
-        r, old = tokens / max(seconds, 1e-12), self.rate[whole]
-        self.rate[whole] = r if old is None else old + self.EMA * (r - old)
+    @staticmethod
+    def apply(draft, shape: int):
+        """The part of tree `draft` that `shape` verifies."""
+        if shape > 1:
+            m = -(-draft.size // shape)
+            draft = type(draft)(draft.tokens[:m], parents=draft.parents[:m])
+        return draft if shape and not is_chain(draft.parents) else as_chain(draft)
 
+    def observe(self, shape: int, tokens: int, seconds: float) -> None:
+        r, old = tokens / max(seconds, 1e-12), self.rate[shape]
+        self.rate[shape] = r if old is None else old + self.EMA * (r - old)

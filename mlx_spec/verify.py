@@ -1,11 +1,13 @@
 """The target side of the loop: prefill a row, then one verify forward per step for all rows.
 
 `verify` builds the target forward over every row's `[y, d0 .. d(k-1)]` (right-
-padded to the longest), each row's acceptance, as one lazy graph and reads all
-results at once (the step's host sync). Then each row's cache keeps exactly
-its own accepted prefix: `Checkpoint` for a single row (any cache kind),
-`BatchCheckpoint` for a batch (KV, window and recurrent layers). A step that
-fails half-way leaves the caches as they were before it.
+padded to the longest), or over one row's draft tree, and each row's acceptance,
+as one lazy graph and reads all results at once (the step's host sync). Then each
+row's cache keeps exactly its own accepted prefix: `Checkpoint` for a single row
+(any cache kind), `BatchCheckpoint` for a batch (KV, window and recurrent layers).
+A chain and a tree differ only in a few pieces (`Chain`, `Tree`: the forward, the
+acceptance arrays, the walk over them); a step that fails half-way leaves the
+caches as they were before it.
 
 Logits processors (mlx-lm's `logits_processors`: repetition penalties, logit
 bias) are applied to every verified row with that row's own history (the
@@ -135,46 +137,82 @@ def land(row) -> None:
         row.ahead, row.launched, row.consumed = None, row.launched - 1, row.consumed - 1
 
 
+class Chain:
+    """A chain block's pieces (`[y, d0 .. d(k-1)]` per row, any rows, any cache kind): the fast
+    path. A plain forward; `acceptance.accept`, with the drafts' q and confidence cuts; the
+    kept rows are a prefix, which the checkpoint keeps."""
+
+    depth = None
+
+    def forward(self, model, cache, inputs):
+        return model(inputs, cache=cache)
+
+    def accept(self, logits, d: Draft, sampling) -> list[mx.array]:
+        n, nxt = acceptance.accept(logits, d.tokens, d.q, sampling, d.length)
+        return [d.tokens, mx.stack([nxt, n, mx.array(d.size) if d.length is None else d.length])]
+
+    def walk(self, read: list, sampling):
+        """(drafts examined, drafts kept, next token, kept block rows) from `accept`'s arrays, read."""
+        proposed, (nxt, n, length) = read
+        return proposed[:length], n, nxt, slice(0, n + 1)
+
+
+class Tree(Chain):
+    """One row's draft tree (`mlx_spec.tree`, plain KV layers): the forward with the tree's mask
+    and depth positions, `tree.draws` then `tree.walk`, which gathers the kept path's cache rows."""
+
+    def __init__(self, cache, draft: Draft):
+        self.parents, self.cache, self.base = list(draft.parents), cache, cache[0].offset
+        self.depth = max(tree.depths(self.parents))
+
+    def forward(self, model, cache, inputs):
+        return tree.forward(model, cache, inputs[0], self.parents)[None]
+
+    def accept(self, logits, d: Draft, sampling) -> list[mx.array]:
+        return [d.tokens, *tree.draws(logits, d.tokens, self.parents, sampling)]
+
+    def walk(self, read: list, sampling):
+        path, nxt = tree.walk(self.parents, read[0], read[1:], sampling.greedy)
+        keep = [0] + [j + 1 for j in path]
+        tree.compact(self.cache, self.base, keep)
+        return [read[0][j] for j in path], len(path), nxt, mx.array(keep)
+
+
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
-    """One target forward over every row's block; each row keeps its accepted prefix."""
-    if len(rows) == 1 and drafts[0].parents is not None:
-        return [verify_tree(model, cache, rows[0], drafts[0])]
-    sizes = [d.size for d in drafts]
-    T = 1 + max(sizes)
-    if len(rows) == 1:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
+    """One target forward over every row's chain, or one row's tree; each keeps what it accepted."""
+    single = len(rows) == 1
+    block = Tree(cache, drafts[0]) if single and drafts[0].parents is not None else Chain()
+    if single and block.depth is None:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
         rows[0].req.quantize_cache(cache)
-    ckpt = Checkpoint(model, cache) if len(rows) == 1 else BatchCheckpoint(cache, model)
+    T = 1 + max(d.size for d in drafts)
+    ckpt = Checkpoint(model, cache) if single else BatchCheckpoint(cache, model)
     try:
         inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens]
                                  + ([mx.full((T - 1 - d.size,), r.y, mx.uint32)] if d.size < T - 1 else []))
                   for r, d in zip(rows, drafts)]
         with overlapped(model) as queued:  # evaluated in pieces while the rest is built
-            logits = model(mx.stack(inputs) if len(rows) > 1 else inputs[0][None], cache=cache)  # [B, T, V]
-        tails, rows_logits = [], []
+            logits = block.forward(model, cache, mx.stack(inputs) if not single else inputs[0][None])  # [B, T, V]
+        rows_logits, arrays = [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
-            lg = processed(row, logits[i, : d.size + 1], inputs[i][: d.size + 1])
+            rows_logits.append(processed(row, logits[i, : d.size + 1], inputs[i][: d.size + 1]))
             row.seed_rng(1)
-            n, nxt = acceptance.accept(lg, d.tokens, d.q, row.req.sampling, d.length)
-            length = mx.array(d.size) if d.length is None else d.length
-            tails += [d.tokens, mx.stack([nxt, n, length]).astype(mx.uint32)]
-            rows_logits.append(lg)
+            arrays.append(block.accept(rows_logits[i], d, row.req.sampling))
         tic = time.perf_counter()
-        flat = mx.concatenate(tails).tolist()  # the one sync
+        mx.eval(arrays)  # the one sync
         wait = time.perf_counter() - (queued.at or tic)  # MLX had work from the first piece on
-        verdicts, at = [], 0
-        for i, (row, size) in enumerate(zip(rows, sizes)):
-            proposed, (nxt, n, length) = flat[at : at + size], flat[at + size : at + size + 3]
-            at += size + 3
+        verdicts, kept = [], []
+        for i, (row, d) in enumerate(zip(rows, drafts)):
+            proposed, n, nxt, at = block.walk([a.tolist() for a in arrays[i]], row.req.sampling)
+            kept.append([row.y] + proposed[:n])
             # The verify forward's own rows, read before a replay (recurrent targets) records others.
-            taps = row.read_taps(i, n + 1)
-            verdicts.append(Verdict(proposed[:length], n, nxt, taps,
-                                    log_softmax(rows_logits[i][: n + 1]), size))
+            taps = row.read_taps(i, d.size + 1)
+            verdicts.append(Verdict(proposed, n, nxt, taps and {t: h[at] for t, h in taps.items()},
+                                    log_softmax(rows_logits[i][at]), d.size, block.depth))
     except BaseException:
-        ckpt.keep([]) if len(rows) == 1 else ckpt.restore()
+        ckpt.keep([]) if single else ckpt.restore()
         raise
-    kept = [[r.y] + v.proposed[: v.n] for r, v in zip(rows, verdicts)]
-    if len(rows) == 1:
-        ckpt.keep(kept[0], T)
+    if single:
+        ckpt.keep(kept[0], T)  # (a tree's path is in place already: nothing left to trim)
         rows[0].last = (ckpt, kept[0])
     else:
         ckpt.keep(kept, T)
@@ -186,32 +224,3 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
         row.fed(k)
         row.sync_seconds += wait
     return verdicts
-
-
-def verify_tree(model, cache: list, row, draft: Draft) -> Verdict:
-    """One target forward over a draft tree (`mlx_spec.tree`); the cache keeps the accepted path."""
-    parents = list(draft.parents)
-    ckpt, base = Checkpoint(model, cache), cache[0].offset
-    try:
-        inputs = mx.concatenate([mx.array([row.y], mx.uint32), draft.tokens])
-        with overlapped(model) as queued:
-            logits = tree.forward(model, cache, inputs, parents)  # [N+1, V]
-        row.seed_rng(1)
-        arrays = tree.draws(logits, draft.tokens, parents, row.req.sampling)
-        tic = time.perf_counter()
-        mx.eval(draft.tokens, *arrays)  # the one sync
-        row.sync_seconds += time.perf_counter() - (queued.at or tic)
-        tokens, read = draft.tokens.tolist(), [a.tolist() for a in arrays]
-        path, nxt = tree.walk(parents, tokens, read, row.req.sampling.greedy)
-        keep = [0] + [j + 1 for j in path]
-        taps = row.read_taps(0, len(parents) + 1)
-        taps = None if taps is None else {t: h[mx.array(keep)] for t, h in taps.items()}
-        tree.compact(cache, base, keep)
-    except BaseException:
-        ckpt.keep([])
-        raise
-    kept = [row.y] + [tokens[j] for j in path]
-    row.last = (ckpt, kept)
-    row.fed(kept)
-    return Verdict(kept[1:], len(path), nxt, taps, log_softmax(logits[mx.array(keep)]), len(parents),
-                   max(tree.depths(parents)))

@@ -167,6 +167,41 @@ def test_auto_verifies_trees_only_where_they_pay(drafter, trees_pay, monkeypatch
     assert (s.tree_steps > drafting / 2) == trees_pay, (s.tree_steps, drafting, steps)
 
 
+class Deep(Forks):
+    """Forks four levels deep (8 nodes) whatever k: the whole tree always keeps 4 drafts, its
+    first half (two levels) 2, its first quarter 1, its first branch 4 only by luck."""
+
+    def propose(self, y, k, sampling):
+        return super().propose(y, 8, sampling)
+
+    def __init__(self, model, prompt, n):
+        super().__init__(model, prompt, n, depth=4)
+
+
+@pytest.mark.parametrize("wide, want", [("cheap", 1), ("dear", 2)])
+def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
+    """auto also verifies a tree's first half or quarter of nodes: with cheap wide verifies the
+    deep tree is verified whole; where verifying more than 4 rows is dear, its first half."""
+    steep = 0.0 if wide == "cheap" else 1.0
+    monkeypatch.setattr(adaptive, "verify_seconds", lambda model, n_max=17, recalibrate=False:
+                        [1e-3 * (1 + 0.05 * n + steep * max(n - 4, 0)) for n in range(n_max)])
+    picks = []
+
+    class Spy(tree.ShapeChoice):
+        def pick(self):
+            picks.append(super().pick())
+            return picks[-1]
+
+    monkeypatch.setattr(tree, "ShapeChoice", Spy)
+    model = tiny.llama_model(seed=2)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Deep(model, PROMPT, 120),
+                                        max_tokens=120, num_draft_tokens="auto", seed=0))
+    assert [r.token for r in out] == reference(model, PROMPT, 120)
+    assert len(picks) >= 20 and set(picks) == set(tree.ShapeChoice.SHAPES), picks  # all tried
+    settled = picks[len(tree.ShapeChoice.SHAPES):]  # after each shape's first try
+    assert settled.count(want) > 0.75 * len(settled), picks
+
+
 def test_a_recurrent_target_verifies_the_first_branch_as_a_chain():
     model = tiny.qwen3_5_model()
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Forks(model, PROMPT, 20),
