@@ -53,6 +53,19 @@ def eagle3_head(root: Path, target: Path) -> Path:
     return root / f"{target.name}_head"
 
 
+def dflash_head(root: Path, target: Path) -> Path:
+    """A random z-lab DFlash head reading layers 0 and 2 of a 4-layer target: one tap on
+    each stage of a 2-rank split, drafting blocks (not chains) from them."""
+    import numpy as np
+
+    import dflash_synth as S
+    from converters import dflash
+
+    w = S.network_weights(np.random.default_rng(0), 2, 2)
+    src = S.save_checkpoint(root / f"{target.name}_dflash_src", S.zlab_config(2, [0, 2], 4), w)
+    return dflash.convert(src, root / f"{target.name}_dflash", target)
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -67,6 +80,7 @@ def folders(tmp_path_factory):
         "gemma3": save(root / "gemma3", tiny.gemma3_model(seed=5, layers=5)),
     }
     out["llama_head"], out["qwen2_head"] = (eagle3_head(root, out[t]) for t in ("llama", "qwen2"))
+    out["llama_dflash"] = dflash_head(root, out["llama"])
     return out
 
 
@@ -81,6 +95,7 @@ SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each
         ("pipeline", "qwen2", "qwen2_draft", ":noauto"),  # mlx-lm's pipeline()
         ("pipeline", "gemma3", "draft", ":quick"),  # our stage wrappers, per-layer masks
         ("pipeline", "llama", "llama_head", ":head"),  # EAGLE-3 taps across our stages
+        ("pipeline", "llama", "llama_dflash", ":head:quick"),  # a DFlash block drafter's taps
         ("pipeline", "qwen2", "qwen2_head", ":head:quick")],  # ... across mlx-lm's stages
     3: [("pipeline", "llama", "draft", ":quick"),  # 3 ranks on 2 cores are slow: fewer runs
         ("pipeline", "llama", "llama_head", ":head:quick")],
