@@ -112,7 +112,7 @@ class DeepseekV4(nn.Module):
         rank's attention sinks those of its own heads. mlx-vlm 0.7.10 splits the query
         projection group by group (rank r: the r-th part of every output group's heads) but
         the sinks in one piece (rank r: the r-th part of all heads), which gives heads other
-        heads' sinks whenever `o_groups` > 1 (V4-Flash: 8): found by this split's test, whose
+        heads' sinks whenever `o_groups` > 1 (mlx-vlm's default: 8): found by this split's test, whose
         sharded logits moved by 5 without this."""
         size, rank = group.size(), group.rank()
         self.check_shard(size)
