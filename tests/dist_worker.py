@@ -156,12 +156,15 @@ def run_head(model, tok, target: str, head: str, quick: bool) -> dict:
 
 def run_v4(model, tok, target: str) -> dict:
     """A DeepSeek-V4 target (mlx-vlm) with the DSpark stages of its checkpoint: plain, n-gram
-    and DSpark tokens, and every DSpark step's proposal, on the sharded and the unsharded
-    target. 12 drafts: verify blocks of 13 tokens, which the target feeds in pieces of 8."""
+    (greedy and seeded sampled) and DSpark tokens, and every DSpark step's proposal, on the
+    sharded and the unsharded target. 12 drafts: verify blocks of 13 tokens, which the target feeds in pieces of 8."""
     reference, _ = mlx_spec.load(target)
     result = {"unsharded0": tokens(reference, tok, PROMPTS[0], None),
               "plain0": tokens(model, tok, PROMPTS[0], None),
               "ngram0": tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), num_draft_tokens=3)}
+    opts = dict(temp=1.0, seed=1, num_draft_tokens=3)
+    result["sampled0_1"] = tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
+    result["sampled_unsharded0_1"] = tokens(reference, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
     for name, m in (("dspark", model), ("dspark_unsharded", reference)):
         d = mlx_spec.load_drafter(target, m, kind="dspark", num_speculative_tokens=12)
         out = list(mlx_spec.stream_generate(m, tok, PROMPTS[0], d, max_tokens=N, trace=True,
