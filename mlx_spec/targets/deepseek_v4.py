@@ -112,8 +112,8 @@ class DeepseekV4(nn.Module):
         rank's attention sinks those of its own heads. mlx-vlm 0.7.10 splits the query
         projection group by group (rank r: the r-th part of every output group's heads) but
         the sinks in one piece (rank r: the r-th part of all heads), which gives heads other
-        heads' sinks whenever `o_groups` > 1 (mlx-vlm's default: 8): found by this split's test, whose
-        sharded logits moved by 5 without this."""
+        heads' sinks whenever `o_groups` > 1 (mlx-vlm's default: 8): found by this split's
+        test, whose sharded logits moved by 5 without this."""
         size, rank = group.size(), group.rank()
         self.check_shard(size)
         sinks = [layer.attn.attn_sink for layer in self.model.layers]
@@ -126,7 +126,7 @@ class DeepseekV4(nn.Module):
         `start_idx:end_idx` of its list, receives from rank + 1 and sends to rank - 1 (so
         rank 0 holds the last layers), then `all_gather`s the last stage's output. The first
         ranks take one more layer when the ranks do not divide the layers; the other ranks'
-        layers are dropped (never read from disk when loaded lazily)."""
+        layers are dropped (never evaluated when loaded lazily)."""
         inner, size, rank = self.model, group.size(), group.rank()
         base, extra = divmod(len(inner.layers), size)
         counts = [base + (r < extra) for r in range(size)]
