@@ -82,7 +82,7 @@ def load(path_or_repo: "str | os.PathLike", lazy: bool = False):
         config = config_of(path)
         target = loader_for(config)
         if target is not None:
-            return target(path, config)
+            return target(path, config, lazy=lazy)
         return _load(str(path), lazy=lazy)
 
 

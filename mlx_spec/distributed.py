@@ -155,7 +155,10 @@ def shard_model(model, mode: str, group) -> Shard:
         if not hasattr(model, "shard"):
             raise ValueError(f"model family {family!r} has no tensor-parallel shard() in mlx-lm; "
                              "use --shard pipeline")
-        _check_heads(model, size, family)
+        if hasattr(model, "check_shard"):  # a target with its own rules (deepseek_v4)
+            model.check_shard(size)
+        else:
+            _check_heads(model, size, family)
         model.shard(group)
         span = (0, total)
     elif mode == "pipeline":
@@ -164,9 +167,12 @@ def shard_model(model, mode: str, group) -> Shard:
                              "use at most one rank per layer")
         inner = decoder_stack(model)
         if hasattr(inner, "pipeline"):  # mlx-lm's own (rank 0 holds the *last* layers)
-            inner.pipeline(group)
+            # (a target may split for its inner model's pipelined forward itself: deepseek_v4)
+            (model if hasattr(model, "pipeline") else inner).pipeline(group)
             span = (inner.start_idx, inner.end_idx)
-            norm = final_norm_name(inner)  # applied after mlx-lm's all_gather, on every rank
+            # the first module after the forward's all_gather, on every rank: the final norm,
+            # or where the target says (its input must have the layer taps' shape)
+            norm = getattr(model, "stage_gather_at", None) or final_norm_name(inner)
             if norm:
                 setattr(inner, norm, GatherAtNorm(getattr(inner, norm), taps))
             else:  # nowhere to gather layer taps: Taps refuses them

@@ -109,9 +109,14 @@ def in_pieces(model, calls) -> list:
     norm = final_norm_name(stack)
     recs = [r for r in map(_recorder, [*stack.layers, getattr(stack, norm) if norm else None]) if r]
     seen = {id(r): ([], []) for r in recs}
+    shard = getattr(model, "_mlx_spec_shard", None)
+    staged = shard.taps if shard is not None and shard.taps is not None and shard.taps.entries else None
+    gathered = []  # a pipeline split's gathered layer taps, per piece (mlx_spec/stage_taps.py)
     results = []
     for call in calls:
         results.append(call())
+        if staged is not None:
+            gathered.append(staged.values)
         for r in recs:
             if r.keep_input:
                 seen[id(r)][0].append(r.seen.inp)
@@ -123,6 +128,8 @@ def in_pieces(model, calls) -> list:
             r.seen.inp = mx.concatenate(inp, axis=1)
         if out:
             r.seen.out = mx.concatenate(out, axis=1)
+    if gathered:
+        staged.values = {tid: mx.concatenate([g[tid] for g in gathered], axis=1) for tid in gathered[0]}
     return results
 
 

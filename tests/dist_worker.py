@@ -1,6 +1,6 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
-    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head] [...] [desync]
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head][:v4] [...] [desync]
     python tests/dist_worker.py OUT_DIR lossless RUNS
     python tests/dist_worker.py OUT_DIR real TARGET WINDOW TOKENS PROMPT [...]
 
@@ -10,6 +10,7 @@ with each other and with the unsharded target; one launch checks several setups
 (starting ranks costs seconds). `desync`: rank 1's drafter proposes other tokens
 from its third proposal on (the sync check must fire). `head`: DRAFT is a converted
 EAGLE-3 head folder (it reads decoder-layer taps), run greedy and sampled, traced.
+`v4`: TARGET is a DeepSeek-V4 checkpoint with DSpark stages (DRAFT is not read).
 """
 
 import json
@@ -89,6 +90,8 @@ def main() -> None:
             return
         if "head" in flags:
             results[setup] = run_head(model, tok, target, draft, "quick" in flags)
+        elif "v4" in flags:
+            results[setup] = run_v4(model, tok, target)
         else:
             results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
@@ -148,6 +151,25 @@ def run_head(model, tok, target: str, head: str, quick: bool) -> dict:
             opts = {} if seed is None else dict(temp=1.0, seed=seed)
             for name, m in (("head", model), ("head_unsharded", reference)):
                 result[f"{name}{i}_{seed}"] = traced(m, tok, prompt, mlx_spec.load_drafter(head, m), **opts)
+    return result
+
+
+def run_v4(model, tok, target: str) -> dict:
+    """A DeepSeek-V4 target (mlx-vlm) with the DSpark stages of its checkpoint: plain, n-gram
+    (greedy and seeded sampled) and DSpark tokens, and every DSpark step's proposal, on the
+    sharded and the unsharded target. 12 drafts: verify blocks of 13 tokens, which the target feeds in pieces of 8."""
+    reference, _ = mlx_spec.load(target)
+    result = {"unsharded0": tokens(reference, tok, PROMPTS[0], None),
+              "plain0": tokens(model, tok, PROMPTS[0], None),
+              "ngram0": tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), num_draft_tokens=3)}
+    opts = dict(temp=1.0, seed=1, num_draft_tokens=3)
+    result["sampled0_1"] = tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
+    result["sampled_unsharded0_1"] = tokens(reference, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
+    for name, m in (("dspark", model), ("dspark_unsharded", reference)):
+        d = mlx_spec.load_drafter(target, m, kind="dspark", num_speculative_tokens=12)
+        out = list(mlx_spec.stream_generate(m, tok, PROMPTS[0], d, max_tokens=N, trace=True,
+                                            num_draft_tokens=12))
+        result[name] = [[r.token for r in out], [[t.proposed, t.accepted] for t in out[-1].stats.trace]]
     return result
 
 

@@ -275,3 +275,39 @@ def test_stages_of_another_checkpoint_are_refused_before_they_are_read(v4, tmp_p
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"mtp.0.main_norm.weight": mx.zeros((128,))})
     with pytest.raises(ValueError, match="not the loaded target's checkpoint .hidden_size: 128 there, 64"):
         mlx_spec.load_drafter(tmp_path, model, kind="dspark")
+
+
+class _Group:  # the rank and size a split reads (no messages are sent by these checks)
+    def __init__(self, size, rank=0):
+        self.size, self.rank = (lambda: size), (lambda: rank)
+
+
+def test_splits_that_mlx_vlm_cannot_make_are_refused_by_name(tmp_path):
+    from mlx_spec import distributed
+
+    S.write(tmp_path, CONFIG, S.pack(S.native(S.language_model(CONFIG, seed=2)))[0])
+    model, _ = mlx_spec.load(str(tmp_path))
+    with pytest.raises(ValueError, match="4 attention heads in 2 output groups cannot be split over 3"):
+        distributed.shard_model(model, "tensor", _Group(3))
+    # expert widths of 32 in 32-value FP8/FP4 groups: two ranks would split a group
+    with pytest.raises(ValueError, match="shared_experts.down_proj reads 32 values per row in "
+                       "quantization groups of 32"):
+        distributed.shard_model(model, "tensor", _Group(2))
+
+
+def test_an_uneven_pipeline_split_keeps_every_layer():
+    """5 layers over 2 ranks: rank 0 runs the last 3, rank 1 the first 2 (mlx-vlm 0.7.10's
+    own pipeline() gives rank 0 layers 3..4 and rank 1 layers 0..1: layer 2 runs nowhere)."""
+    from mlx_vlm.models.deepseek_v4 import config as C
+    from mlx_vlm.models.deepseek_v4 import language as L
+
+    config = {**CONFIG, "num_hidden_layers": 5, "compress_ratios": [0, 4, 128, 0, 4]}
+    spans, caches = [], []
+    for rank in (0, 1):
+        model = DeepseekV4(L.LanguageModel(C.ModelConfig.from_dict(config)))
+        model.pipeline(_Group(2, rank))
+        inner = model.model
+        spans.append((inner.start_idx, inner.end_idx))
+        assert [layer is None for layer in inner.layers] == [i < spans[-1][0] for i in range(spans[-1][1])]
+        caches.append(len(model.make_cache()))
+    assert spans == [(2, 5), (0, 2)] and caches == [3, 2]

@@ -66,6 +66,25 @@ def dflash_head(root: Path, target: Path) -> Path:
     return dflash.convert(src, root / f"{target.name}_dflash", target)
 
 
+# A tiny DeepSeek-V4-Flash-0731 checkpoint (FP8/FP4 as published) with random DSpark stages
+# reading layers 1..3 (both pipeline stages); expert widths of 64 so that a 2-rank tensor
+# split keeps whole 32-value quantization groups.
+V4 = {"moe_intermediate_size": 64, "dspark_block_size": 5, "dspark_target_layer_ids": [1, 2, 3],
+      "dspark_noise_token_id": 95, "dspark_markov_rank": 4}
+
+
+def v4_checkpoint(folder: Path) -> Path:
+    import numpy as np
+
+    import deepseek_v4_synth as S
+    import dspark_v4_ref as R
+
+    config = {**S.CONFIG, **V4}
+    trunk, _ = S.pack(S.native(S.language_model(config, seed=1)))
+    stages, _ = R.packed(R.stage_tensors(np.random.default_rng(0), config, "0731", 3, 4), tile=128)
+    return S.write(folder, config, {**trunk, **stages})
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
@@ -78,6 +97,7 @@ def folders(tmp_path_factory):
         "qwen3_5": save(root / "qwen3_5", tiny.qwen3_5_model(layers=4)),  # recurrent layers
         # window 8, sliding/global alternating: rank 1's layers 3..4 start on a global layer
         "gemma3": save(root / "gemma3", tiny.gemma3_model(seed=5, layers=5)),
+        "v4": v4_checkpoint(root / "v4"),  # mlx-vlm's deepseek_v4 (the test extra installs it)
     }
     out["llama_head"], out["qwen2_head"] = (eagle3_head(root, out[t]) for t in ("llama", "qwen2"))
     out["llama_dflash"] = dflash_head(root, out["llama"])
@@ -96,7 +116,9 @@ SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each
         ("pipeline", "gemma3", "draft", ":quick"),  # our stage wrappers, per-layer masks
         ("pipeline", "llama", "llama_head", ":head"),  # EAGLE-3 taps across our stages
         ("pipeline", "llama", "llama_dflash", ":head:quick"),  # a DFlash block drafter's taps
-        ("pipeline", "qwen2", "qwen2_head", ":head:quick")],  # ... across mlx-lm's stages
+        ("pipeline", "qwen2", "qwen2_head", ":head:quick"),  # ... across mlx-lm's stages
+        ("pipeline", "v4", "v4", ":v4"),  # DeepSeek-V4 + its DSpark stages: mlx-vlm's forward
+        ("tensor", "v4", "v4", ":v4")],  # mlx-vlm's shard()
     3: [("pipeline", "llama", "draft", ":quick"),  # 3 ranks on 2 cores are slow: fewer runs
         ("pipeline", "llama", "llama_head", ":head:quick")],
 }
@@ -119,6 +141,9 @@ def test_sharded_runs_match(folders, tmp_path, n):
         assert f"over {n} ranks" in res["layout"]
         if ":head" in setup:
             _check_head_runs(res, setup)
+            continue
+        if ":v4" in setup:
+            _check_v4_runs(res, setup)
             continue
         for i in range(1 if ":quick" in setup else 2):
             plain = res[f"plain{i}"]
@@ -147,6 +172,20 @@ def _check_head_runs(res: dict, setup: str) -> None:
         for key in runs:
             assert res[key] == res[key.replace("head", "head_unsharded")], (setup, key)
             assert res[key][1], (setup, key)  # steps with proposals were traced
+
+
+def _check_v4_runs(res: dict, setup: str) -> None:
+    """DeepSeek-V4 (mlx-vlm) with the DSpark stages of its checkpoint, whose taps (layers 1..3)
+    sit on both pipeline stages; 12 drafts, so verify blocks of 13 go in pieces of 8: plain
+    output equals the unsharded target's, n-gram and DSpark output equal plain decoding, and
+    every DSpark proposal equals the unsharded run's (so the taps are the same); on the
+    pipeline split seeded sampled n-gram output equals the unsharded run's."""
+    assert res["plain0"] == res["unsharded0"], setup
+    assert res["ngram0"] == res["plain0"] == res["dspark"][0], setup
+    assert res["dspark"] == res["dspark_unsharded"], setup
+    assert any(len(proposed) == 12 for proposed, _ in res["dspark"][1]), setup  # pieces
+    if setup.startswith("pipeline"):  # identical logits: identical seeded sampling too
+        assert res["sampled0_1"] == res["sampled_unsharded0_1"], setup
 
 
 def test_sampled_law_on_a_tensor_split(tmp_path):

@@ -1,8 +1,8 @@
 """Targets mlx-lm cannot load, run on a maintained implementation installed as an extra.
 
 `mlx_spec.load(folder)` looks up the folder's `model_type` in `TARGETS` before
-handing it to mlx-lm. Each entry names the loader ("module:function(folder, config)
--> (model, tokenizer)") and the pip extra that brings its implementation; the
+handing it to mlx-lm. Each entry names the loader ("module:function(folder, config,
+lazy) -> (model, tokenizer)") and the pip extra that brings its implementation; the
 module imports that implementation only when such a model is loaded.
 
 The model a loader returns speaks mlx-lm's model interface (`model(inputs,
@@ -16,7 +16,7 @@ import importlib
 import json
 from pathlib import Path
 
-# model_type -> (loader "module:function(folder, config) -> (model, tokenizer)", pip extra)
+# model_type -> (loader "module:function(folder, config, lazy) -> (model, tokenizer)", pip extra)
 TARGETS: dict[str, tuple[str, str]] = {
     # DeepSeek-V4-Flash / -0731: mlx-vlm's `deepseek_v4` (mlx-lm has only `deepseek_v41`)
     "deepseek_v4": ("mlx_spec.targets.deepseek_v4:load", "deepseek-v4"),

@@ -20,6 +20,12 @@ instance it wraps, and adds only what speculative decoding needs:
 * **Caches that roll back.** The sliding windows (mlx-vlm's `RotatingKVCache`) are
   taken over by `WindowKVCache`; the pooled layers (`PoolingCache`, updated in place)
   are restored from a copy and the kept tokens replayed (`mlx_spec.cache.Checkpoint`).
+* **Sharding** (`mlx_spec.distributed`): `shard()` is mlx-vlm's tensor-parallel split
+  (query heads, output projections and expert widths over the ranks, an `all_sum` after
+  attention and after the MoE), after checks it lacks; `pipeline()` gives each rank
+  consecutive layers for mlx-vlm's pipelined forward (rank 0 the last ones), split as
+  evenly as the count allows (mlx-vlm 0.7.10's own `pipeline()` loses a layer when the
+  ranks do not divide the layers: 43 over 2 ranks runs 42).
 """
 
 from __future__ import annotations
@@ -72,9 +78,62 @@ class DeepseekV4(nn.Module):
         self.lm_head = language_model.lm_head
         self.eval()  # mlx-vlm takes its token-by-token decode path only outside training
 
+    # On a pipeline split, layer taps of other ranks are gathered where every rank holds the
+    # last stage's hyper-connection streams again: the input of `hc_head` (the final norm
+    # reads its collapse, a different shape from the layer taps).
+    stage_gather_at = "hc_head"
+
     @property
     def layers(self):
-        return self.model.layers
+        return self.model.pipeline_layers  # this rank's layers on a pipeline split
+
+    def check_shard(self, size: int) -> None:
+        """Refuse a tensor split over `size` ranks that mlx-vlm's `shard()` cannot make:
+        whole query heads per output group on every rank, and whole quantization groups in
+        every input it splits (the output projections' and the experts' down projections)."""
+        a, layer = self.args, self.model.layers[0]
+        if a.num_attention_heads % (a.o_groups * size):
+            raise ValueError(f"deepseek_v4: {a.num_attention_heads} attention heads in "
+                             f"{a.o_groups} output groups cannot be split over {size} ranks "
+                             "(each group's heads must divide by the ranks); use --shard pipeline")
+        split = {"attn.wo_a": (layer.attn.wo_a, a.num_attention_heads * a.head_dim // a.o_groups),
+                 "ffn.shared_experts.down_proj": (layer.ffn.shared_experts.down_proj,
+                                                  a.moe_intermediate_size * a.n_shared_experts),
+                 "ffn.switch_mlp.down_proj": (layer.ffn.switch_mlp.down_proj, a.moe_intermediate_size)}
+        for name, (module, width) in split.items():
+            group = getattr(module, "group_size", 1)
+            if width % (size * group):
+                raise ValueError(f"deepseek_v4: {name} reads {width} values per row in quantization "
+                                 f"groups of {group}, which {size} ranks cannot split into whole "
+                                 "groups; use --shard pipeline")
+
+    def shard(self, group) -> None:
+        """mlx-vlm's tensor-parallel split of this instance (`check_shard` first), with each
+        rank's attention sinks those of its own heads. mlx-vlm 0.7.10 splits the query
+        projection group by group (rank r: the r-th part of every output group's heads) but
+        the sinks in one piece (rank r: the r-th part of all heads), which gives heads other
+        heads' sinks whenever `o_groups` > 1 (mlx-vlm's default: 8): found by this split's
+        test, whose sharded logits moved by 5 without this."""
+        size, rank = group.size(), group.rank()
+        self.check_shard(size)
+        sinks = [layer.attn.attn_sink for layer in self.model.layers]
+        self._language.LanguageModel.shard(self, group)
+        for layer, sink in zip(self.model.layers, sinks):
+            layer.attn.attn_sink = sink.reshape(self.args.o_groups, size, -1)[:, rank].reshape(-1)
+
+    def pipeline(self, group) -> None:
+        """Consecutive layers per rank for mlx-vlm's pipelined forward, which runs the layers
+        `start_idx:end_idx` of its list, receives from rank + 1 and sends to rank - 1 (so
+        rank 0 holds the last layers), then `all_gather`s the last stage's output. The first
+        ranks take one more layer when the ranks do not divide the layers; the other ranks'
+        layers are dropped (never evaluated when loaded lazily)."""
+        inner, size, rank = self.model, group.size(), group.rank()
+        base, extra = divmod(len(inner.layers), size)
+        counts = [base + (r < extra) for r in range(size)]
+        start = sum(counts[rank + 1:])
+        inner.pipeline_rank, inner.pipeline_size = rank, size
+        inner.start_idx, inner.end_idx = start, start + counts[rank]
+        inner.layers = [None] * start + inner.layers[start:start + counts[rank]]
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
         n = inputs.shape[1]
@@ -82,7 +141,19 @@ class DeepseekV4(nn.Module):
             calls = [lambda i=i: self(inputs[:, i : i + self._piece], cache)
                      for i in range(0, n, self._piece)]
             return mx.concatenate(in_pieces(self, calls), axis=1)  # taps see one forward
-        return self._linear(self.lm_head, self.model(inputs, cache=cache))
+        out = self._linear(self.lm_head, self.model(inputs, cache=cache))
+        if getattr(self, "_mlx_spec_shard", None) is not None:
+            # Sharded: queue the whole forward, its messages included, before anything else.
+            # mlx-vlm's attention queues its outputs (`mx.async_eval`) while the graph is
+            # built, so a later pipeline stage already waits in this forward's `recv` while
+            # the earlier stage's `send` is still unbuilt or lazy (a replay after a rejection
+            # stays lazy until the next step); an eager collective in between (the next
+            # piece's sync check, the agreed draft length) would then meet that `recv`: ring
+            # messages carry no tags (found by the pipeline test: it hung, or the check's
+            # message arrived as a hidden state). Queued here, every rank runs this forward's
+            # messages before any later one, in the same order.
+            mx.async_eval(out)
+        return out
 
     def make_cache(self) -> list:
         # mlx-vlm's own layout: a window per layer, plus pooled KV (and the indexer's) where
@@ -116,8 +187,9 @@ def _repack_fp8(weights: dict) -> dict:
     return out
 
 
-def load_model(folder, config: dict) -> DeepseekV4:
-    """The trunk of a DeepSeek-V4 checkpoint folder (DeepSeek's tensor names)."""
+def load_model(folder, config: dict, lazy: bool = False) -> DeepseekV4:
+    """The trunk of a DeepSeek-V4 checkpoint folder (DeepSeek's tensor names). `lazy`: the
+    weights are read when first evaluated (a sharded rank reads only its part)."""
     vlm_config, vlm_language, _, _ = _vlm()
     folder = Path(folder)
     text = {**config.get("text_config", config), "vision_n_layers": 0}
@@ -127,13 +199,14 @@ def load_model(folder, config: dict) -> DeepseekV4:
     check_fit(dict(tree_flatten(language.parameters())), weights, "DeepSeek-V4",
               "is this a complete DeepSeek-V4 checkpoint for its config.json?", where=f"{folder}: ")
     language.load_weights(list(weights.items()), strict=True)
-    mx.eval(language.parameters())
+    if not lazy:
+        mx.eval(language.parameters())
     return DeepseekV4(language)
 
 
-def load(folder, config: dict):
+def load(folder, config: dict, lazy: bool = False):
     """(model, tokenizer) for a DeepSeek-V4 checkpoint folder (`TARGETS["deepseek_v4"]`)."""
     from mlx_lm.utils import load_tokenizer
 
-    model = load_model(folder, config)
+    model = load_model(folder, config, lazy)
     return model, load_tokenizer(Path(folder), eos_token_ids=config.get("eos_token_id"))
