@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
                    help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with "
-                   "--draft-model or an EAGLE head, DDTree-style trees with a DFlash or DSpark head; "
+                   "--draft-model, an EAGLE head or --draft mtp, DDTree-style trees with a DFlash or DSpark head; "
                    "default: chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
