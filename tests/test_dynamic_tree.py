@@ -47,6 +47,36 @@ def paths_of(draft) -> list[tuple[int, ...]]:
     return out
 
 
+def spy_brute_force(d, chain_logits, budget: int, width: int, scratch: str, to_id=lambda i: i,
+                    times: int = 3) -> list:
+    """Wrap head drafter `d`'s propose: its first `times` trees must be the brute force over
+    `chain_logits(d, y, path of target ids)` (the head's own chain along each path; `to_id`
+    maps the head's logits index to a target id) and reach depth 2. `scratch` names the
+    drafter's attribute counting rows to drop at commit (put back after the checks).
+    Returns the count of checked trees (a one-element list)."""
+    checked, real = [0], d.propose
+
+    def spy(y, k, sampling):
+        before = d.save_state()
+        draft = real(y, k, sampling)
+        after, rows = d.save_state(), getattr(d, scratch)
+        if checked[0] < times:
+            def logits_of(path):
+                d.restore_state(before)
+                return chain_logits(d, y, [to_id(i) for i in path])
+
+            want = {tuple(map(to_id, p)) for p in brute_force(logits_of, min(k, budget), width, budget)}
+            assert set(paths_of(draft)) == want
+            assert max(tree.depths(draft.parents)) >= 2
+            checked[0] += 1
+            d.restore_state(after)
+            setattr(d, scratch, rows)
+        return draft
+
+    d.propose = spy
+    return checked
+
+
 def check_shape(draft, logits_of):
     """Breadth-first, siblings distinct and by decreasing draft probability."""
     tree.depths(draft.parents)

@@ -11,9 +11,8 @@ import mlx_spec
 import tiny
 from converters.eagle import v1, v3
 from eagle_fixtures import eagle1_checkpoint, eagle3_checkpoint, target_folder
-from mlx_spec import tree
 from runs import mlx_lm_greedy as reference
-from test_dynamic_tree import brute_force, paths_of
+from test_dynamic_tree import spy_brute_force
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26]
 
@@ -43,26 +42,7 @@ def test_head_trees_are_the_brute_force_over_the_heads_chain(tmp_path, kind):
     d = drafter_for(tmp_path, model, kind, tree_budget=9, tree_width=3)
     d2t = None if d._d2t is None else d._d2t.tolist()
     to_id = (lambda i: i) if d2t is None else (lambda i: d2t[i])
-    checked, real = [0], d.propose
-
-    def spy(y, k, sampling):
-        before = d.save_state()
-        draft = real(y, k, sampling)
-        after, chained = d.save_state(), d._chained
-        if checked[0] < 3:
-            def logits_of(path):
-                d.restore_state(before)
-                return chain_logits(d, y, [to_id(i) for i in path])
-
-            want = {tuple(map(to_id, p)) for p in brute_force(logits_of, min(k, 9), 3, 9)}
-            assert set(paths_of(draft)) == want
-            assert max(tree.depths(draft.parents)) >= 2
-            checked[0] += 1
-            d.restore_state(after)
-            d._chained = chained
-        return draft
-
-    d.propose = spy
+    checked = spy_brute_force(d, chain_logits, 9, 3, "_chained", to_id)
     want = reference(model, PROMPT, 16)
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, d, max_tokens=16, num_draft_tokens=5))
     assert [r.token for r in out] == want and checked[0] == 3

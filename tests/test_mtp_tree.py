@@ -10,9 +10,8 @@ from mlx_lm import load
 
 import mlx_spec
 import mtp_checkpoints as ckpts
-from mlx_spec import tree
 from runs import mlx_lm_greedy as reference
-from test_dynamic_tree import brute_force, paths_of
+from test_dynamic_tree import spy_brute_force
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
 
@@ -42,25 +41,7 @@ def chain_logits(d, y, path):
 def test_mtp_trees_are_the_brute_force_over_the_modules_chain(made, case):
     folder, model, tok = made[case]
     d = mlx_spec.load_drafter(folder, model, kind="mtp", tree_budget=9, tree_width=3)
-    checked, real = [0], d.propose
-
-    def spy(y, k, sampling):
-        before = d.save_state()
-        draft = real(y, k, sampling)
-        after, drafted = d.save_state(), d._drafted
-        if checked[0] < 3:
-            def logits_of(path):
-                d.restore_state(before)
-                return chain_logits(d, y, list(path))
-
-            assert set(paths_of(draft)) == brute_force(logits_of, min(k, 9), 3, 9)
-            assert max(tree.depths(draft.parents)) >= 2
-            checked[0] += 1
-            d.restore_state(after)
-            d._drafted = drafted
-        return draft
-
-    d.propose = spy
+    checked = spy_brute_force(d, chain_logits, 9, 3, "_drafted")
     out = list(mlx_spec.stream_generate(model, tok, PROMPT, d, max_tokens=16, num_draft_tokens=5))
     assert [r.token for r in out] == reference(model, PROMPT, 16) and checked[0] == 3
 
