@@ -137,6 +137,40 @@ def land(row) -> None:
         row.ahead, row.launched, row.consumed = None, row.launched - 1, row.consumed - 1
 
 
+class ArrayMask:
+    """A KV layer seen by one multi-token forward that asks for its causal mask as an array.
+
+    Given the string "causal", MLX's attention on the CPU builds the mask again inside every
+    layer (a few small operations each, 30 layers: about a tenth of a 5-token verify in the
+    GPU-like regime of scripts/overhead.py); an array is built once per forward and shared
+    by every layer. Same values, bit for bit (tested)."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):  # e.g. mlx-lm's pipeline stages tie keys to their sends
+        setattr(self.inner, name, value)
+
+    def update_and_fetch(self, keys, values):
+        return self.inner.update_and_fetch(keys, values)
+
+    def make_mask(self, N: int, *args, **kwargs):
+        return self.inner.make_mask(N, *args, **{**kwargs, "return_array": True})
+
+
+def _masked(cache: list) -> list:
+    """`cache` with its plain, quantized and window KV layers asking for array masks."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+    from .cache import WindowKVCache
+
+    kinds = (KVCache, QuantizedKVCache, RotatingKVCache, WindowKVCache)
+    return [ArrayMask(c) if type(c) in kinds else c for c in cache]
+
+
 class Chain:
     """A chain block's pieces (`[y, d0 .. d(k-1)]` per row, any rows, any cache kind): the fast
     path. A plain forward; `acceptance.accept`, with the drafts' q and confidence cuts; the
@@ -145,7 +179,7 @@ class Chain:
     depth = None
 
     def forward(self, model, cache, inputs):
-        return model(inputs, cache=cache)
+        return model(inputs, cache=_masked(cache) if inputs.shape[1] > 1 else cache)
 
     def accept(self, logits, d: Draft, sampling) -> list[mx.array]:
         n, nxt = acceptance.accept(logits, d.tokens, d.q, sampling, d.length)

@@ -100,3 +100,46 @@ def test_a_dropped_model_takes_its_wrappers_with_it():
     del model
     gc.collect()
     assert key not in overlap._kicks
+
+
+@pytest.mark.parametrize("kind", ["kv", "quantized", "window", "gemma3"])
+def test_chain_forwards_share_one_array_mask_and_give_the_same_logits(kind, monkeypatch):
+    """A chain block's forward asks its KV layers for an array mask (built once, shared by
+    every layer) instead of "causal" (rebuilt in every layer on the CPU): same logits."""
+    from mlx_lm.models import base
+
+    from mlx_spec.cache import make_cache
+    from mlx_spec.verify import Chain, _masked
+
+    from tiny import gemma3_model
+
+    model = gemma3_model(window=8) if kind == "gemma3" else llama_model(layers=3, hidden=128)
+    prompt = mx.array([list(range(3, 19))], mx.uint32)
+
+    def cache():
+        c = make_cache(model) if kind in ("window", "gemma3") else make_prompt_cache(model)
+        if kind == "window":
+            from mlx_spec.cache import WindowKVCache
+
+            c = [WindowKVCache(64, keep=2) for _ in c]
+        model(prompt, cache=c)
+        if kind == "quantized":
+            c = [layer.to_quantized(group_size=32, bits=8) for layer in c]
+        return c
+
+    masks = []
+    sdpa = base.scaled_dot_product_attention
+    for family in ("llama", "gemma3_text"):  # each imported the function by name
+        monkeypatch.setattr(f"mlx_lm.models.{family}.scaled_dot_product_attention",
+                            lambda *a, mask=None, **k: masks.append(mask) or sdpa(*a, mask=mask, **k))
+    block = mx.array([[5, 9, 2, 7, 1]], mx.uint32)
+    mine, theirs = cache(), cache()
+    masks.clear()
+    want = model(block, cache=theirs)
+    plain_masks = list(masks)
+    masks.clear()
+    got = Chain().forward(model, mine, block)
+    assert mx.array_equal(got, want)
+    assert all(isinstance(m, mx.array) for m in masks), [type(m) for m in masks]
+    assert any(isinstance(m, str) for m in plain_masks)  # what the model asks for by itself
+    assert all(type(a) is not type(b) for a, b in zip(_masked(cache()), cache()))
