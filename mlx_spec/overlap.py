@@ -41,35 +41,39 @@ class Queued:
 class _Kick(SeeThrough):
     """Calls the wrapped layer and queues its output for evaluation."""
 
-    def __init__(self, inner, queued: Queued):
+    def __init__(self, inner, clock: list):
         super().__init__(inner)
-        self.queued = queued  # a plain object: not a parameter
+        self.clock = clock  # [the forward's Queued], shared by a stack's wrappers
 
     def __call__(self, x, *args, **kwargs):
         out = self.inner(x, *args, **kwargs)
-        if self.queued.at is None:
-            self.queued.at = time.perf_counter()
+        queued = self.clock[0]
+        if queued.at is None:
+            queued.at = time.perf_counter()
         # Returns at once unless MLX already has many operations queued: then it waits for
         # some to finish, which is time the evaluator was busy, not host time.
         mx.async_eval(out[0] if isinstance(out, tuple) else out)
         return out
 
 
-# id(stack) -> {layer index: wrapper}, reused step after step; the entry goes when the
-# stack does (a weak reference's callback), so a dropped model takes its wrappers with it.
-_kicks: dict[int, tuple[weakref.ref, dict[int, _Kick]]] = {}
+# id(stack) -> (weak reference to it, every, the layers wrapped, the layer list with the
+# wrappers in, their clock): one list swap per forward, reused step after step while the
+# layers stay the same; the entry goes when the stack does (the weak reference's callback),
+# so a dropped model takes its wrappers with it.
+_kicks: dict[int, tuple] = {}
 
 
-def _kick(stack, i: int, queued: Queued) -> _Kick:
-    key = id(stack)
-    entry = _kicks.get(key)
-    if entry is None or entry[0]() is not stack:
-        entry = _kicks[key] = (weakref.ref(stack, lambda _, key=key: _kicks.pop(key, None)), {})
-    kick = entry[1].get(i)
-    if kick is None or kick.inner is not stack.layers[i]:
-        kick = entry[1][i] = _Kick(stack.layers[i], queued)
-    kick.queued = queued
-    return kick
+def _kicked(stack, layers: list, every: int, queued: Queued) -> list:
+    key, entry = id(stack), _kicks.get(id(stack))
+    if (entry is None or entry[0]() is not stack or entry[1] != every or len(entry[2]) != len(layers)
+            or any(a is not b for a, b in zip(entry[2], layers))):
+        first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
+        clock = [queued]
+        entry = _kicks[key] = (weakref.ref(stack, lambda _, key=key: _kicks.pop(key, None)), every,
+                               list(layers), [_Kick(m, clock) if i in first else m
+                                              for i, m in enumerate(layers)], clock)
+    entry[4][0] = queued
+    return entry[3]
 
 
 _step: list[Queued | None] = [None]  # the step being built, when one is open
@@ -100,12 +104,9 @@ def overlapped(model, every: int | None = None):
     except ValueError:
         yield queued
         return
-    first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
-    saved = [(i, layers[i]) for i in sorted(first)]
+    kicked = _kicked(stack, layers, every, queued)
+    stack.layers = kicked  # the instance's list, for this forward
     try:
-        for i, layer in saved:
-            layers[i] = _kick(stack, i, queued)
-        yield queued
+        yield queued if stack.layers is kicked else Queued()  # (a `layers` property: as it is)
     finally:
-        for i, layer in saved:
-            layers[i] = layer
+        stack.layers = layers
