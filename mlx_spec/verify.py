@@ -161,8 +161,13 @@ class ArrayMask:
         return self.inner.make_mask(N, *args, **{**kwargs, "return_array": True})
 
 
+ARRAY_MASKS = True  # False: let layers build "causal" themselves (scripts/overhead.py's "before")
+
+
 def _masked(cache: list) -> list:
     """`cache` with its plain, quantized and window KV layers asking for array masks."""
+    if not ARRAY_MASKS:
+        return cache
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
     from .cache import WindowKVCache

@@ -2,20 +2,22 @@
 
     python scripts/overhead.py [--model smollm2-135m-instruct] [--draft-model NAME] [--k 4]
     python scripts/overhead.py --gpu-like      # 30 layers of width 64, a 49k vocabulary
+    python scripts/overhead.py --policy        # the draft-length policy's own cost per step
 
 Real model: per method, interleaved over rounds (medians printed), milliseconds per step,
 of which host milliseconds (time during which MLX had none of the step's work queued:
 mlx-spec's `stats.host_ms_per_step`), and tokens/s; each speculative method also runs
 with its forwards built whole before evaluation ("no-overlap", `mlx_spec.overlap`), the
-"before" of piecewise evaluation. mlx-lm's loops give no such split; their ms per
+"before" of piecewise evaluation, and with its verify's layers building the "causal" mask
+themselves ("causal-mask", `verify.ARRAY_MASKS = False`), the "before" of shared array masks. mlx-lm's loops give no such split; their ms per
 token is printed.
 
 GPU-like regime: a model whose arithmetic is negligible, so a step costs its fixed
 per-step work, as on a fast GPU. Printed: ms per step of mlx-lm's plain loop
 (`generate_step`, and `stream_generate`, which detokenizes and builds a response per
 token as mlx-spec does), mlx-spec's
-plain loop and an n-gram verify step (k drafted; also without piecewise evaluation), and
-each one's ratio to mlx-lm's plain;
+plain loop and an n-gram verify step (k drafted; also without piecewise evaluation, and
+without shared array masks), and each one's ratio to mlx-lm's plain;
 the same for CPU time per step (the process's, all threads), which other jobs on a shared
 machine disturb much less than wall time (but which cannot show overlap).
 """
@@ -39,8 +41,9 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpu-like", action="store_true")
+    p.add_argument("--policy", action="store_true")
     args = p.parse_args()
-    return gpu_like(args) if args.gpu_like else real(args)
+    return policy(args) if args.policy else gpu_like(args) if args.gpu_like else real(args)
 
 
 def _median(xs):
@@ -52,7 +55,7 @@ def real(args) -> int:
     from mlx_lm.generate import generate_step, speculative_generate_step
 
     import mlx_spec
-    from mlx_spec import overlap
+    from mlx_spec import overlap, verify
     from mlx_spec.generate_cli import resolve_model
 
     model, tok = mlx_spec.load(resolve_model(args.model))
@@ -64,8 +67,8 @@ def real(args) -> int:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         methods["mlx-spec draft"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
 
-    def ours(make, every):
-        overlap.EVERY = every
+    def ours(make, every, masks=True):
+        overlap.EVERY, verify.ARRAY_MASKS = every, masks
         out = list(mlx_spec.stream_generate(model, tok, ids, make(), max_tokens=args.max_tokens,
                                             num_draft_tokens=args.k))
         s = out[-1].stats
@@ -81,13 +84,14 @@ def real(args) -> int:
         return (time.perf_counter() - tic) / n * 1e3
 
     every = overlap.EVERY
+    tags = (("", (every, True)), (" no-overlap", (0, True)), (" causal-mask", (every, False)))
     variants = {f"{name}{tag}": (make, p) for name, make in methods.items()
-                for tag, p in (("", every), (" no-overlap", 0)) if p or name != "mlx-spec none"}
+                for tag, p in tags if not tag or name != "mlx-spec none"}
     rows = {name: [] for name in variants}
     mlx_lm = {"mlx-lm plain": [], **({"mlx-lm draft": []} if draft is not None else {})}
     for r in range(args.rounds + 1):  # round 0 warms up
         for name, (make, p) in variants.items():
-            got = ours(make, p)
+            got = ours(make, *p)
             if r:
                 rows[name].append(got)
         for name in mlx_lm:
@@ -110,7 +114,7 @@ def gpu_like(args) -> int:
     from mlx_lm.models import llama
 
     import mlx_spec
-    from mlx_spec import overlap
+    from mlx_spec import overlap, verify
     from mlx_spec.generate_cli import resolve_model
 
     mx.random.seed(0)
@@ -137,8 +141,8 @@ def gpu_like(args) -> int:
             count += 1
         return (time.perf_counter() - tic) / count * 1e3, (time.process_time() - cpu) / count * 1e3
 
-    def ours(drafter, every=overlap.EVERY):
-        overlap.EVERY = every
+    def ours(drafter, every=overlap.EVERY, masks=True):
+        overlap.EVERY, verify.ARRAY_MASKS = every, masks
         cpu = time.process_time()
         out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n,
                                             num_draft_tokens=args.k))
@@ -155,23 +159,64 @@ def gpu_like(args) -> int:
             return draft if draft.size == k else mlx_spec.Draft(mx.full((k,), y, mx.uint32))
 
     res = {"mlx-lm plain": [], "mlx-lm stream": [], "mlx-spec plain": [], f"mlx-spec ngram k={args.k}": [],
-           f"mlx-spec ngram k={args.k} no-overlap": []}
+           f"mlx-spec ngram k={args.k} no-overlap": [], f"mlx-spec ngram k={args.k} causal-mask": []}
     cpu = {name: [] for name in res}
     for r in range(args.rounds + 1):
         *ngram, drafted = ours(AlwaysK())
-        got = (mlx_lm_plain(), mlx_lm_stream(), ours(None)[:2], ngram, ours(AlwaysK(), 0)[:2])
+        got = (mlx_lm_plain(), mlx_lm_stream(), ours(None)[:2], ngram, ours(AlwaysK(), 0)[:2],
+               ours(AlwaysK(), masks=False)[:2])
         if r:
             for name, (wall, cpu_ms) in zip(res, got):
                 res[name].append(wall)
                 cpu[name].append(cpu_ms)
     base, cpu_base = _median(res["mlx-lm plain"]), _median(cpu["mlx-lm plain"])
     print(f"(the n-gram steps verified {drafted:.1f} drafted tokens on average)")
+    ngram = res[f"mlx-spec ngram k={args.k}"]
+    print("paired per round, n-gram step / mlx-lm plain step: "
+          + ", ".join(f"{a / b:.2f}" for a, b in zip(ngram, res["mlx-lm plain"]))
+          + f" (median {_median([a / b for a, b in zip(ngram, res['mlx-lm plain'])]):.3f}); mlx-spec plain / "
+          f"mlx-lm plain median {_median([a / b for a, b in zip(res['mlx-spec plain'], res['mlx-lm plain'])]):.3f}")
     print(f"GPU-like regime (30 x 64 llama, 49152 vocabulary), {n} tokens, {args.rounds} rounds (medians);")
     print("wall: ms per step; cpu: CPU ms (all threads) per step, less sensitive to other jobs on the machine")
     for name, runs in res.items():
         ms, c = _median(runs), _median(cpu[name])
         print(f"{name:31s} wall {ms:6.2f} ms {ms / base:5.2f}x   cpu {c:6.2f} ms {c / cpu_base:5.2f}x   "
               f"(wall runs: {', '.join(f'{x:.1f}' for x in runs)})")
+    return 0
+
+
+def policy(args) -> int:
+    """Microseconds per step of the draft-length policy (`choose` then `observe`), for
+    growing k_max, with the replay term of recurrent targets; plus what a tree step adds
+    (`tree.ShapeChoice`: how much of the tree to verify)."""
+    import random
+
+    from mlx_spec.adaptive import AdaptiveK, CostModel
+
+    costs = CostModel([0.01 * (1 + 0.05 * n) for n in range(17)], 0.0005)
+    print("draft-length policy, one step = choose() + observe(), median of 2000 steps "
+          "(acceptance 0.7 per position)")
+    for k_max in (4, 8, 16):
+        for replays in (False, True):
+            policy, rnd, times = AdaptiveK(costs, k_max, replays=replays), random.Random(0), []
+            for _ in range(2000):
+                tic = time.perf_counter()
+                k, _ = policy.choose()
+                n = 0
+                while n < k and rnd.random() < 0.7:
+                    n += 1
+                policy.observe(k, n, 0.01 * (1 + 0.05 * k))
+                times.append(time.perf_counter() - tic)
+            kind = "recurrent target (replays)" if replays else "KV target"
+            print(f"k_max {k_max:2d}, {kind:27s} {_median(times) * 1e6:6.1f} us")
+    from mlx_spec.tree import ShapeChoice
+
+    shapes, times = ShapeChoice(), []
+    for i in range(2000):
+        tic = time.perf_counter()
+        shapes.observe(shapes.pick(), 1 + i % 4, 0.01)
+        times.append(time.perf_counter() - tic)
+    print(f"tree shape choice (pick + observe)          {_median(times) * 1e6:6.1f} us")
     return 0
 
 
