@@ -156,7 +156,6 @@ class BatchDecoder:
         row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
         self._land()
         if self.active:
-            verify.land(self.active[0])  # a batch verifies every row's y itself
             if self.batch is None:
                 self.batch = batch_cache.merge([self.active[0].cache, row.cache])
                 self.active[0].cache = None
@@ -170,8 +169,8 @@ class BatchDecoder:
         self.width = len(rows)
         t0 = time.perf_counter()
         choices = choose_lengths(self.model, rows)
-        if self.flight is not None:  # this step is the plain one already in flight
-            choices = [(0, None)] * len(rows)
+        if self.flight is not None and any(k for k, _ in choices):
+            self._land()  # a probe after all: the plain step queued for this one is taken back
         try:
             with step_clock():  # the drafters' forwards and the verify: one busy span for MLX
                 drafts, verdicts = self._draft_and_verify(rows, choices)
@@ -207,10 +206,8 @@ class BatchDecoder:
             drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
         cache = self.batch if self.batch is not None else rows[0].cache
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
-        if len(rows) == 1 and verify.pipelined(rows[0]):
-            return drafts, [verify.plain(self.model, rows[0])]
-        if len(rows) > 1 and all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
-            ahead = all(k == 0 for k, _ in choices)  # parked: the next step is plain too
+        if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
+            ahead = all(k == 0 for k, _ in choices) and _plain_next(rows)
             verdicts, self.flight = batch_plain.step(self.model, cache, rows, self.flight, ahead)
             return drafts, verdicts
         self._land()
@@ -280,6 +277,16 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     from .distributed import agree_lengths
 
     return agree_lengths(model, choices)
+
+
+def _plain_next(rows: list[Row]) -> bool:
+    """Whether the next step will be plain too (so it can be queued now): no row drafts, or
+    every row's policy is parked with no probe due by then. A wrong guess costs the step
+    queued (taken back), never a token."""
+    from .adaptive import AdaptiveK
+
+    return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked + 1 < r.lengths.probe_every
+               for r in rows)
 
 
 class FixedK:

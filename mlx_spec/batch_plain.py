@@ -1,11 +1,11 @@
-"""Plain steps of a whole batch, pipelined as mlx-lm's batch generator does.
+"""Plain steps, pipelined as mlx-lm's `generate_step` and batch generator do.
 
-When no row of the batch drafts this step (no drafter, or every row's policy
-parked drafting), the step is one token per row. Such a step is built on the
-previous one's lazy tokens and queued (`mx.async_eval`) before those tokens are
-read, so Python builds step n+1 while MLX evaluates step n, as `verify.plain`
-does for a single row. The step in flight is used by the next `step` call when
-the batch is unchanged; anything that changes the batch first takes it back
+When no row drafts this step (no drafter, or every row's policy parked drafting),
+the step is one token per row. Such a step is built on the previous one's lazy
+tokens and queued (`mx.async_eval`) before those tokens are read, so Python
+builds step n+1 while MLX evaluates step n. A single row is the batch of one
+(its own cache, any kind). The step in flight is used by the next `step` call
+when the rows are unchanged and still plain; anything else first takes it back
 (`land`: its checkpoint restores every layer, recurrent states included).
 
 Rows qualify when nothing per step needs the host between their tokens: no
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .batch_cache import BatchCheckpoint
+from .cache import Checkpoint
 from .verify import Verdict, log_softmax
 
 
@@ -31,7 +32,7 @@ class Flight:
     uids: tuple  # the rows it was built for, in batch order
     tokens: mx.array  # [B] lazy: each row's next token
     logits: mx.array  # [B, V]
-    ckpt: BatchCheckpoint  # the batch cache before it
+    ckpt: BatchCheckpoint | Checkpoint  # the cache before it (a single row's: Checkpoint)
     queued: float  # when MLX had it (perf_counter)
 
 
@@ -44,7 +45,7 @@ def eligible(row) -> bool:
 def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flight:
     """Queue one plain step of every row on `inputs` [B] (lazy or not): the row's step
     `steps + later` (its random stream is that step's, as a verify step's would be)."""
-    ckpt = BatchCheckpoint(cache, model)
+    ckpt = BatchCheckpoint(cache, model) if len(rows) > 1 else Checkpoint(model, cache)
     logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]  # [B, V]
     if all(r.req.sampling.greedy for r in rows):
         tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
@@ -82,10 +83,10 @@ def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> 
 
 
 def land(flight: Flight | None, rows: list) -> None:
-    """Take a step in flight back out of the batch cache (before the batch changes)."""
+    """Take a step in flight back out of the cache (before the batch changes or a row drafts)."""
     if flight is None:
         return
-    flight.ckpt.restore()
+    flight.ckpt.restore() if isinstance(flight.ckpt, BatchCheckpoint) else flight.ckpt.keep([])
     for row in rows:
         if row.uid in flight.uids:
             row.consumed -= 1

@@ -61,8 +61,6 @@ class Row:
         self.y: int | None = None  # the next input: emitted, not yet fed
         self.later = None  # the last step's kept (tokens, taps), told to the drafter later
         self.last = None  # (Checkpoint, kept) of the last single-row step
-        self.ahead = None  # a pipelined plain step in flight: (lazy token, its logits)
-        self.launched = 0  # pipelined steps launched
         self.lengths = None  # draft-length policy, set when the row starts decoding
         self.shapes = None  # tree.ShapeChoice: auto's choice of how much of a tree, when trees come
         self.shape_pick: int | None = None  # this step's choice (1: the whole tree, 0: a chain)

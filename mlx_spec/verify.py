@@ -99,44 +99,6 @@ def prefill(model, row, limit: int | None = None) -> tuple[int, mx.array] | None
     return y, log_softmax(logits[-1])
 
 
-def pipelined(row) -> bool:
-    """A row that never drafts (and needs no per-step host work): plain steps pipeline."""
-    return row.drafter is None and not row.req.logits_processors and row.req.kv_bits is None
-
-
-def plain(model, row) -> Verdict:
-    """One plain step of a `pipelined` row, as mlx-lm's generate_step does it: the next step
-    is built on this step's lazy token and queued before that token is read, so graph
-    building overlaps evaluation. The cache then already holds every token read."""
-    start = time.perf_counter()
-    cur = row.ahead if row.ahead is not None else _launch(model, row, mx.array([row.y], mx.uint32))
-    left = None if row.req.max_tokens is None else row.req.max_tokens - len(row.out) - 1
-    row.ahead = _launch(model, row, cur[0]) if left is None or left > 0 else None
-    tic = max(start, cur[3])  # MLX had this step's work from then on (host time: the rest)
-    y = cur[0].item()
-    row.sync_seconds += time.perf_counter() - tic
-    return Verdict([], 0, y, None, log_softmax(cur[1]), 0)
-
-
-def _launch(model, row, y: mx.array) -> tuple[mx.array, mx.array, Checkpoint, float]:
-    ckpt = Checkpoint(model, row.cache)
-    logits = model(y.reshape(1, 1), cache=row.cache)[0]  # [1, V]
-    row.seed_rng(1, row.launched)
-    token = row.req.sampling.sample(logits[-1]).astype(mx.uint32).reshape(1)
-    queued = time.perf_counter()
-    mx.async_eval(token)
-    row.launched += 1
-    row.consumed += 1
-    return token, logits, ckpt, queued
-
-
-def land(row) -> None:
-    """Take back a pipelined step in flight (its input leaves the cache again)."""
-    if row.ahead is not None:
-        row.ahead[2].keep([])
-        row.ahead, row.launched, row.consumed = None, row.launched - 1, row.consumed - 1
-
-
 class ArrayMask:
     """A KV layer seen by one multi-token forward that asks for its causal mask as an array.
 

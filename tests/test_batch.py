@@ -246,7 +246,7 @@ def test_a_pipelined_plain_row_lands_its_step_in_flight_when_another_joins(name)
         for uid, block in decoder.step():
             out.setdefault(uid, []).extend(r.token for r in block)
     row = decoder.active[0]
-    assert row.ahead is not None and row.consumed == len(PROMPTS[0]) + len(out[a])
+    assert decoder.flight is not None and row.consumed == len(PROMPTS[0]) + len(out[a])
     b = decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=20)
     out, widths = drain(decoder, out)
     assert out[a] == reference(model, PROMPTS[0], 30) and out[b] == reference(model, PROMPTS[1], 20)

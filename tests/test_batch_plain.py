@@ -56,3 +56,46 @@ def test_sampled_plain_rows_of_a_pipelined_batch_have_the_targets_law(monkeypatc
     real = Row.seed_rng
     monkeypatch.setattr(Row, "seed_rng", lambda self, phase, step=None: real(self, phase, 0))
     L.assert_caught(batched_runs(model, cases, 600)[0], joints[0])
+
+
+def test_a_parked_single_row_pipelines_its_plain_steps_and_still_probes(monkeypatch):
+    """One request whose drafter never hits: once `auto` parks drafting, its plain steps are
+    queued ahead like drafter-less ones (a step in flight between calls), the policy's probes
+    still come (and the step they replace is never queued, so none is taken back), and the
+    output is plain decoding's."""
+    import mlx.core as mx
+    from mlx_spec import Draft, verify
+
+    model = tiny.llama_model()
+    want = reference(model, PROMPTS[2], 60)
+    bad = next(t for t in range(64) if t not in want)
+
+    class Wrong(NGramDrafter):
+        def propose(self, y, k, sampling):
+            return Draft(mx.full((k,), bad, mx.uint32))
+
+    from mlx_spec import adaptive
+
+    # a cost curve where each drafted token costs a tenth of a step (not this run's calibration)
+    monkeypatch.setattr(adaptive, "verify_seconds", lambda model, n_max=adaptive.N_MAX, recalibrate=False:
+                        [0.01 * (1 + 0.1 * n) for n in range(n_max)])
+    verifies, landed = [], []
+    real_verify, real_land = verify.verify, batch_plain.land
+    monkeypatch.setattr(verify, "verify", lambda *a: verifies.append(1) or real_verify(*a))
+    monkeypatch.setattr(batch_plain, "land", lambda f, rows: landed.append(f is not None) or real_land(f, rows))
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=1)
+    # seeded: a fresh policy choosing from tokens alone (no timings, nothing learned before)
+    uid = decoder.add(PROMPTS[2], Wrong(), max_tokens=60, num_draft_tokens="auto", seed=0)
+    out, in_flight, probes_after = [], 0, 0
+    while decoder.busy:
+        before = len(verifies)
+        for _, block in decoder.step():
+            out.extend(r.token for r in block)
+        in_flight += decoder.flight is not None
+        probes_after += in_flight > 0 and len(verifies) > before
+        if block and block[-1].finish_reason is not None:
+            decoder.release(uid)
+    assert out == want
+    assert in_flight >= 20  # parked steps were pipelined
+    assert probes_after >= 2  # and drafting was still tried now and then
+    assert sum(landed[:-1]) == 0  # no queued step was wasted on a probe (the last: the end)
