@@ -16,6 +16,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+import mtp_checkpoints
 import tiny
 from mlx_spec import distributed
 
@@ -98,6 +99,8 @@ def folders(tmp_path_factory):
         # window 8, sliding/global alternating: rank 1's layers 3..4 start on a global layer
         "gemma3": save(root / "gemma3", tiny.gemma3_model(seed=5, layers=5)),
         "v4": v4_checkpoint(root / "v4"),  # mlx-vlm's deepseek_v4 (the test extra installs it)
+        # GLM-4.7-Flash layout with its MTP module: mlx-lm's pipeline() and shard(), 1 layer a rank
+        "glm_mtp": mtp_checkpoints.write(root / "glm_mtp", "glm4_moe_lite"),
     }
     out["llama_head"], out["qwen2_head"] = (eagle3_head(root, out[t]) for t in ("llama", "qwen2"))
     out["llama_dflash"] = dflash_head(root, out["llama"])
@@ -118,7 +121,9 @@ SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each
         ("pipeline", "llama", "llama_dflash", ":head:quick"),  # a DFlash block drafter's taps
         ("pipeline", "qwen2", "qwen2_head", ":head:quick"),  # ... across mlx-lm's stages
         ("pipeline", "v4", "v4", ":v4"),  # DeepSeek-V4 + its DSpark stages: mlx-vlm's forward
-        ("tensor", "v4", "v4", ":v4")],  # mlx-vlm's shard()
+        ("tensor", "v4", "v4", ":v4"),  # mlx-vlm's shard()
+        ("pipeline", "glm_mtp", "glm_mtp", ":mtp"),  # an MTP head reading the last stage's state
+        ("tensor", "glm_mtp", "glm_mtp", ":mtp")],
     3: [("pipeline", "llama", "draft", ":quick"),  # 3 ranks on 2 cores are slow: fewer runs
         ("pipeline", "llama", "llama_head", ":head:quick")],
 }
@@ -144,6 +149,9 @@ def test_sharded_runs_match(folders, tmp_path, n):
             continue
         if ":v4" in setup:
             _check_v4_runs(res, setup)
+            continue
+        if ":mtp" in setup:
+            _check_mtp_runs(res, setup)
             continue
         for i in range(1 if ":quick" in setup else 2):
             plain = res[f"plain{i}"]
@@ -186,6 +194,17 @@ def _check_v4_runs(res: dict, setup: str) -> None:
     assert any(len(proposed) == 12 for proposed, _ in res["dspark"][1]), setup  # pieces
     if setup.startswith("pipeline"):  # identical logits: identical seeded sampling too
         assert res["sampled0_1"] == res["sampled_unsharded0_1"], setup
+
+
+def _check_mtp_runs(res: dict, setup: str) -> None:
+    """The target's MTP module: plain output equals the unsharded target's, greedy MTP output
+    equals plain decoding, and every run (greedy and seeded sampled: its tokens and each step's
+    proposal) equals the unsharded run's, so the head read the same hidden states."""
+    assert res["plain0"] == res["unsharded0"], setup
+    assert res["mtp_None"][0] == res["plain0"], setup
+    for seed in ("None", "1"):
+        assert res[f"mtp_{seed}"] == res[f"mtp_unsharded_{seed}"], (setup, seed)
+    assert sum(accepted for _, accepted in res["mtp_None"][1]) > 0, setup  # it drafted, and some held
 
 
 def test_sampled_law_on_a_tensor_split(tmp_path):
