@@ -177,9 +177,13 @@ def run_v4(model, tok, target: str) -> dict:
 
 
 def run_mtp(model, tok, target: str) -> dict:
-    """A target's own MTP module drafting (it reads the target's last hidden state through the
+    """A target's own MTP module drafting (it reads the target's final-norm input through the
     taps): plain and MTP tokens, greedy and seeded sampled, and every MTP step's proposal, on
-    the sharded and the unsharded target."""
+    the sharded and the unsharded target; greedy again with the head reading the last layer's
+    output instead (`last_layer`, as DeepSeek-V4's MTP block does), on a pipeline split a
+    tap of rank 0's stage that rank 1 receives."""
+    from mlx_spec.drafters.mtp import load_mtp
+
     reference, _ = mlx_spec.load(target)
     result = {"unsharded0": tokens(reference, tok, PROMPTS[0], None),
               "plain0": tokens(model, tok, PROMPTS[0], None)}
@@ -188,6 +192,8 @@ def run_mtp(model, tok, target: str) -> dict:
         for name, m in (("mtp", model), ("mtp_unsharded", reference)):
             d = mlx_spec.load_drafter(target, m, kind="mtp")
             result[f"{name}_{seed}"] = traced(m, tok, PROMPTS[0], d, **opts)
+    for name, m in (("mtp_last", model), ("mtp_last_unsharded", reference)):
+        result[name] = traced(m, tok, PROMPTS[0], load_mtp(target, m, hidden_state="last_layer"))
     return result
 
 

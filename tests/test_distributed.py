@@ -198,12 +198,15 @@ def _check_v4_runs(res: dict, setup: str) -> None:
 
 def _check_mtp_runs(res: dict, setup: str) -> None:
     """The target's MTP module: plain output equals the unsharded target's, greedy MTP output
-    equals plain decoding, and every run (greedy and seeded sampled: its tokens and each step's
-    proposal) equals the unsharded run's, so the head read the same hidden states."""
+    (the head reading the final-norm input, or the last layer's output) equals plain decoding,
+    and every run (greedy and seeded sampled: its tokens and each step's proposal) equals the
+    unsharded run's, so the head read the same hidden states."""
     assert res["plain0"] == res["unsharded0"], setup
     assert res["mtp_None"][0] == res["plain0"], setup
-    for seed in ("None", "1"):
-        assert res[f"mtp_{seed}"] == res[f"mtp_unsharded_{seed}"], (setup, seed)
+    for run, unsharded in (("mtp_None", "mtp_unsharded_None"), ("mtp_1", "mtp_unsharded_1"),
+                           ("mtp_last", "mtp_last_unsharded")):
+        assert res[run] == res[unsharded], (setup, run)
+    assert res["mtp_last"][0] == res["plain0"], setup
     assert sum(accepted for _, accepted in res["mtp_None"][1]) > 0, setup  # it drafted, and some held
 
 
