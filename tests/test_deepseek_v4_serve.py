@@ -27,3 +27,28 @@ def test_serve_v4_greedy_equals_plain_decoding(v4):  # noqa: F811
             assert got["usage"]["completion_tokens"] == N
         assert got["speculative"]["drafter"] == "none"
     assert not s.engine._thread.is_alive()  # the server stopped by itself
+
+
+def test_handover_finds_private_arrays_and_explains_the_stream_error():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlx_spec.handover import arrays, explain
+
+    class Rope(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._freqs = mx.arange(4) * 2.0  # private: not a parameter
+
+    outer = nn.Module()
+    outer.layers = [nn.Module() for _ in range(6)]  # deeper than any fixed depth limit
+    inner = outer.layers[5]
+    for _ in range(6):
+        inner.child = nn.Module()
+        inner = inner.child
+    inner.rope = Rope()
+    assert inner.rope.parameters() == {}
+    assert any(a is inner.rope._freqs for a in arrays(outer))
+    e = explain(RuntimeError("There is no Stream(cpu, 0) in current thread."))
+    assert "another thread" in str(e) and "materialize" in str(e)
+    assert explain(ValueError("x")).args == ("x",)
