@@ -18,7 +18,8 @@ import pytest
 
 import tiny
 from server_utils import open_stream, post
-from test_distributed import _descendants, save, v4_checkpoint
+from dist_checkpoints import save, v4_checkpoint
+from test_distributed import _descendants
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "MLX_SPEC_CHECK_SYNC": "1", "PYTHONPATH": str(HERE)}
