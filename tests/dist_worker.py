@@ -193,7 +193,9 @@ def run_mtp(model, tok, target: str) -> dict:
             d = mlx_spec.load_drafter(target, m, kind="mtp")
             result[f"{name}_{seed}"] = traced(m, tok, PROMPTS[0], d, **opts)
     for name, m in (("mtp_last", model), ("mtp_last_unsharded", reference)):
-        result[name] = traced(m, tok, PROMPTS[0], load_mtp(target, m, hidden_state="last_layer"))
+        d = load_mtp(target, m, hidden_state="last_layer")
+        result[name] = traced(m, tok, PROMPTS[0], d)
+        result[name + "_taps"] = list(d.taps)
     return result
 
 

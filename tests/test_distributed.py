@@ -152,6 +152,8 @@ def _check_mtp_runs(res: dict, setup: str) -> None:
                            ("mtp_last", "mtp_last_unsharded")):
         assert res[run] == res[unsharded], (setup, run)
     assert res["mtp_last"][0] == res["plain0"], setup
+    # the whole model's last layer on every rank (not a pipeline rank's own last layer)
+    assert res["mtp_last_taps"] == res["mtp_last_unsharded_taps"], setup
     assert sum(accepted for _, accepted in res["mtp_None"][1]) > 0, setup  # it drafted, and some held
 
 
