@@ -1,6 +1,6 @@
 """One rank of a sharded-target test, started by `mlx.launch` (tests/test_distributed.py).
 
-    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head][:v4] [...] [desync]
+    python tests/dist_worker.py OUT_DIR MODE:TARGET:DRAFT[:quick][:noauto][:head][:v4][:mtp] [...] [desync]
     python tests/dist_worker.py OUT_DIR lossless RUNS
     python tests/dist_worker.py OUT_DIR real TARGET WINDOW TOKENS PROMPT [...]
 
@@ -11,6 +11,7 @@ with each other and with the unsharded target; one launch checks several setups
 from its third proposal on (the sync check must fire). `head`: DRAFT is a converted
 EAGLE-3 head folder (it reads decoder-layer taps), run greedy and sampled, traced.
 `v4`: TARGET is a DeepSeek-V4 checkpoint with DSpark stages (DRAFT is not read).
+`mtp`: TARGET is a checkpoint with an MTP module, drafting for it (DRAFT is not read).
 """
 
 import json
@@ -92,6 +93,8 @@ def main() -> None:
             results[setup] = run_head(model, tok, target, draft, "quick" in flags)
         elif "v4" in flags:
             results[setup] = run_v4(model, tok, target)
+        elif "mtp" in flags:
+            results[setup] = run_mtp(model, tok, target)
         else:
             results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
@@ -170,6 +173,29 @@ def run_v4(model, tok, target: str) -> dict:
         out = list(mlx_spec.stream_generate(m, tok, PROMPTS[0], d, max_tokens=N, trace=True,
                                             num_draft_tokens=12))
         result[name] = [[r.token for r in out], [[t.proposed, t.accepted] for t in out[-1].stats.trace]]
+    return result
+
+
+def run_mtp(model, tok, target: str) -> dict:
+    """A target's own MTP module drafting (it reads the target's final-norm input through the
+    taps): plain and MTP tokens, greedy and seeded sampled, and every MTP step's proposal, on
+    the sharded and the unsharded target; greedy again with the head reading the last layer's
+    output instead (`last_layer`, as DeepSeek-V4's MTP block does), on a pipeline split a
+    tap of rank 0's stage that rank 1 receives."""
+    from mlx_spec.drafters.mtp import load_mtp
+
+    reference, _ = mlx_spec.load(target)
+    result = {"unsharded0": tokens(reference, tok, PROMPTS[0], None),
+              "plain0": tokens(model, tok, PROMPTS[0], None)}
+    for seed in (None, 1):
+        opts = {} if seed is None else dict(temp=1.0, seed=seed)
+        for name, m in (("mtp", model), ("mtp_unsharded", reference)):
+            d = mlx_spec.load_drafter(target, m, kind="mtp")
+            result[f"{name}_{seed}"] = traced(m, tok, PROMPTS[0], d, **opts)
+    for name, m in (("mtp_last", model), ("mtp_last_unsharded", reference)):
+        d = load_mtp(target, m, hidden_state="last_layer")
+        result[name] = traced(m, tok, PROMPTS[0], d)
+        result[name + "_taps"] = list(d.taps)
     return result
 
 

@@ -18,7 +18,8 @@ import pytest
 
 import tiny
 from server_utils import open_stream, post
-from test_distributed import _descendants, save
+from dist_checkpoints import save, v4_checkpoint
+from test_distributed import _descendants
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "MLX_SPEC_CHECK_SYNC": "1", "PYTHONPATH": str(HERE)}
@@ -137,6 +138,33 @@ def test_sharded_serve_matches_unsharded(folder, mode, k):
         assert "mlx-spec serve: stopped" in stdout
         assert f"{mode} parallel over 2 ranks" in stderr
         assert not _descendants(run.proc.pid)
+    finally:
+        run.kill()
+
+
+def test_sharded_v4_serve_matches_unsharded(folder, tmp_path):
+    """DeepSeek-V4 (mlx-vlm's model) served on a pipeline split with its DSpark stages (random:
+    every proposal is rejected, so every step rolls back): greedy text equals the unsharded
+    target's. The engine thread evaluates what the loading thread built (MLX streams are per
+    thread; mlx-vlm's RoPE frequencies are lazy). One request at a time keeps the start short
+    (no batched verify calibration)."""
+    import mlx_spec
+
+    v4 = v4_checkpoint(tmp_path / "v4")
+    model, tok = mlx_spec.load(str(v4))
+    want = mlx_spec.generate(model, tok, PROMPTS[0], None, max_tokens=24)
+    run = Launch("serve", "--shard", "pipeline", "--model", v4, "--port", "0", "--draft", "dspark",
+                 "--num-draft-tokens", "6", "--max-batch", "1", "--dist-timeout", "60", timeout=240)
+    try:
+        port = int(run.wait_for(r"at http://127\.0\.0\.1:(\d+)/v1", 150).group(1))
+        status, out = post(port, "/v1/completions", {"model": str(v4), "prompt": PROMPTS[0],
+                                                     "max_tokens": 24, "temperature": 0}, timeout=120)
+        assert status == 200 and out["choices"][0]["text"] == want, out
+        assert out["speculative"]["drafter"] == "dspark" and out["speculative"]["drafted"] > 0
+        os.kill(run.rank_pid(0, b"serve"), signal.SIGTERM)
+        stdout, stderr = run.finish(timeout=90)
+        assert run.proc.returncode == 0, stderr[-3000:]
+        assert "pipeline parallel over 2 ranks" in stderr and "mlx-spec serve: stopped" in stdout
     finally:
         run.kill()
 

@@ -3,7 +3,6 @@
 Every launch is a subprocess bounded by a timeout. One launch per setup runs
 every check (`tests/dist_worker.py`), since starting ranks costs seconds."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -14,9 +13,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
 
+import mtp_checkpoints
 import tiny
+from dist_checkpoints import dflash_head, eagle3_head, save, v4_checkpoint
 from mlx_spec import distributed
 
 HERE = Path(__file__).parent
@@ -29,60 +29,6 @@ ENV = {**os.environ, "MLX_SPEC_CHECK_SYNC": "1", "PYTHONPATH": str(HERE)}
 def _ranks_calibration_cache(tmp_path_factory):
     """The ranks (other processes) keep their calibrations of tiny models out of ~/.cache."""
     ENV["MLX_SPEC_CACHE"] = str(tmp_path_factory.mktemp("rank_cache"))
-
-
-def save(folder: Path, model) -> Path:
-    folder.mkdir(parents=True)
-    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
-    (folder / "config.json").write_text(json.dumps(config))
-    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    tiny.tokenizer(eos=0)._tokenizer.save_pretrained(str(folder))
-    return folder
-
-
-def eagle3_head(root: Path, target: Path) -> Path:
-    """A random EAGLE-3 head (its proposals depend on every tap) reading the embedding and
-    the outputs of layers 1, 2 and 3 of a 4-layer target: taps on every pipeline stage,
-    on a stage's last layer (whose wrapper sends on) and on a one-layer stage (3 ranks)."""
-    from converters.eagle import v3
-    from eagle_fixtures import eagle3_checkpoint
-
-    eagle3_checkpoint(root / f"{target.name}_src", 64, tiny.VOCAB, heads=4, kv_heads=4, n_taps=4,
-                      config={"eagle_aux_hidden_state_layer_ids": [0, 2, 3, 4]})
-    v3.convert(root / f"{target.name}_src", root / f"{target.name}_head", target)
-    return root / f"{target.name}_head"
-
-
-def dflash_head(root: Path, target: Path) -> Path:
-    """A random z-lab DFlash head reading layers 0 and 2 of a 4-layer target: one tap on
-    each stage of a 2-rank split, drafting blocks (not chains) from them."""
-    import numpy as np
-
-    import dflash_synth as S
-    from converters import dflash
-
-    w = S.network_weights(np.random.default_rng(0), 2, 2)
-    src = S.save_checkpoint(root / f"{target.name}_dflash_src", S.zlab_config(2, [0, 2], 4), w)
-    return dflash.convert(src, root / f"{target.name}_dflash", target)
-
-
-# A tiny DeepSeek-V4-Flash-0731 checkpoint (FP8/FP4 as published) with random DSpark stages
-# reading layers 1..3 (both pipeline stages); expert widths of 64 so that a 2-rank tensor
-# split keeps whole 32-value quantization groups.
-V4 = {"moe_intermediate_size": 64, "dspark_block_size": 5, "dspark_target_layer_ids": [1, 2, 3],
-      "dspark_noise_token_id": 95, "dspark_markov_rank": 4}
-
-
-def v4_checkpoint(folder: Path) -> Path:
-    import numpy as np
-
-    import deepseek_v4_synth as S
-    import dspark_v4_ref as R
-
-    config = {**S.CONFIG, **V4}
-    trunk, _ = S.pack(S.native(S.language_model(config, seed=1)))
-    stages, _ = R.packed(R.stage_tensors(np.random.default_rng(0), config, "0731", 3, 4), tile=128)
-    return S.write(folder, config, {**trunk, **stages})
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +44,8 @@ def folders(tmp_path_factory):
         # window 8, sliding/global alternating: rank 1's layers 3..4 start on a global layer
         "gemma3": save(root / "gemma3", tiny.gemma3_model(seed=5, layers=5)),
         "v4": v4_checkpoint(root / "v4"),  # mlx-vlm's deepseek_v4 (the test extra installs it)
+        # GLM-4.7-Flash layout with its MTP module: mlx-lm's pipeline() and shard(), 1 layer a rank
+        "glm_mtp": mtp_checkpoints.write(root / "glm_mtp", "glm4_moe_lite"),
     }
     out["llama_head"], out["qwen2_head"] = (eagle3_head(root, out[t]) for t in ("llama", "qwen2"))
     out["llama_dflash"] = dflash_head(root, out["llama"])
@@ -118,7 +66,9 @@ SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each
         ("pipeline", "llama", "llama_dflash", ":head:quick"),  # a DFlash block drafter's taps
         ("pipeline", "qwen2", "qwen2_head", ":head:quick"),  # ... across mlx-lm's stages
         ("pipeline", "v4", "v4", ":v4"),  # DeepSeek-V4 + its DSpark stages: mlx-vlm's forward
-        ("tensor", "v4", "v4", ":v4")],  # mlx-vlm's shard()
+        ("tensor", "v4", "v4", ":v4"),  # mlx-vlm's shard()
+        ("pipeline", "glm_mtp", "glm_mtp", ":mtp"),  # an MTP head reading the last stage's state
+        ("tensor", "glm_mtp", "glm_mtp", ":mtp")],
     3: [("pipeline", "llama", "draft", ":quick"),  # 3 ranks on 2 cores are slow: fewer runs
         ("pipeline", "llama", "llama_head", ":head:quick")],
 }
@@ -144,6 +94,9 @@ def test_sharded_runs_match(folders, tmp_path, n):
             continue
         if ":v4" in setup:
             _check_v4_runs(res, setup)
+            continue
+        if ":mtp" in setup:
+            _check_mtp_runs(res, setup)
             continue
         for i in range(1 if ":quick" in setup else 2):
             plain = res[f"plain{i}"]
@@ -186,6 +139,22 @@ def _check_v4_runs(res: dict, setup: str) -> None:
     assert any(len(proposed) == 12 for proposed, _ in res["dspark"][1]), setup  # pieces
     if setup.startswith("pipeline"):  # identical logits: identical seeded sampling too
         assert res["sampled0_1"] == res["sampled_unsharded0_1"], setup
+
+
+def _check_mtp_runs(res: dict, setup: str) -> None:
+    """The target's MTP module: plain output equals the unsharded target's, greedy MTP output
+    (the head reading the final-norm input, or the last layer's output) equals plain decoding,
+    and every run (greedy and seeded sampled: its tokens and each step's proposal) equals the
+    unsharded run's, so the head read the same hidden states."""
+    assert res["plain0"] == res["unsharded0"], setup
+    assert res["mtp_None"][0] == res["plain0"], setup
+    for run, unsharded in (("mtp_None", "mtp_unsharded_None"), ("mtp_1", "mtp_unsharded_1"),
+                           ("mtp_last", "mtp_last_unsharded")):
+        assert res[run] == res[unsharded], (setup, run)
+    assert res["mtp_last"][0] == res["plain0"], setup
+    # the whole model's last layer on every rank (not a pipeline rank's own last layer)
+    assert res["mtp_last_taps"] == res["mtp_last_unsharded_taps"], setup
+    assert sum(accepted for _, accepted in res["mtp_None"][1]) > 0, setup  # it drafted, and some held
 
 
 def test_sampled_law_on_a_tensor_split(tmp_path):

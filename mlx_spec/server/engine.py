@@ -32,6 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from ..handover import explain
 from .events import Failed, Finished, Job, Piece, Usage, drafter_kind, logprob  # noqa: F401
 from .link import Plan
 from .metrics import Metrics
@@ -133,7 +134,9 @@ class Engine:
         """Start the engine thread; `warm_up` runs a first tiny generation (and the verify cost
         calibration `num_draft_tokens="auto"` needs) there before returning, so the first
         client does not pay for it."""
-        _materialize(self.model, self.drafter)
+        from ..handover import materialize
+
+        materialize(self.model, self.drafter)  # MLX streams belong to a thread
         self._warm = threading.Event()
         self._warm_up_first = warm_up
         self._thread.start()
@@ -184,7 +187,7 @@ class Engine:
             if self._warm_up_first:
                 self._warm_up()
         except Exception as e:  # reported by start(), on the caller's thread
-            self._warm_error = e
+            self._warm_error = explain(e)
             return
         finally:
             self._warm.set()
@@ -291,7 +294,7 @@ class Engine:
             if self.link is not None:  # the ranks may disagree from here on: every rank stops
                 raise
             log.exception("a decode step failed")  # never let one request end the engine
-            self._ending += [(uid, "failed", e, None) for uid in self._runs]
+            self._ending += [(uid, "failed", explain(e), None) for uid in self._runs]
             return
         if not self.leader:  # rank 0 decides what the tokens mean; it sends the endings
             return
@@ -348,6 +351,7 @@ class Engine:
 
     def _die(self, error: BaseException) -> None:
         """The loop cannot go on: fail every request, and tell the server (`on_fatal`)."""
+        error = explain(error)
         who = f"rank {self.link.rank}: " if self.link is not None else ""
         log.error("%sthe engine stopped: %s: %s", who, type(error).__name__, error)
         self.fatal = error
@@ -361,35 +365,3 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-
-def _materialize(model, drafter) -> None:
-    """Evaluate the weights on the caller's thread: MLX streams belong to a thread, so a lazy
-    array made there (a weight edited after loading, a head's derived tensor) cannot be
-    evaluated on the engine's."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    found, seen = [], set()
-
-    def walk(obj, depth):
-        if id(obj) in seen or depth > 4:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, mx.array):
-            found.append(obj)
-        elif isinstance(obj, nn.Module):
-            found.append(obj.parameters())
-            walk(vars(obj), depth + 1)
-        elif isinstance(obj, dict):
-            for v in obj.values():
-                walk(v, depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for v in obj:
-                walk(v, depth + 1)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and depth < 4:
-            walk(vars(obj), depth + 1)
-
-    walk(model, 0)
-    if drafter is not None:
-        walk(drafter, 0)
-    mx.eval(found)

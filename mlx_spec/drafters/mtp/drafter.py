@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 from ... import dynamic_tree, tree
 from ...cache import rollback
 from ...sampling import Sampling
-from ...taps import FINAL_NORM, decoder_stack, embedding
+from ...taps import FINAL_NORM, decoder_stack, embedding, layer_count
 from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
 
@@ -64,8 +64,9 @@ class MTPDrafter(SavesState):
         stack = decoder_stack(model)
         self._embed = embedding(stack)
         self._lm_head = target_lm_head(model)
-        n_layers = len(stack.layers)
-        self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (n_layers - 1,)
+        # All ranks' layers: on a pipeline split `stack.layers` is this rank's part only.
+        last = layer_count(model) - 1
+        self.taps = (FINAL_NORM,) if self.config.hidden_state == "final_norm" else (last,)
         self._bound = True
         self._reset()
 
