@@ -224,7 +224,10 @@ class BatchDecoder:
             if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
                 return draft
             row.shapes = row.shapes or tree.ShapeChoice()
-            row.shape_pick = row.shapes.pick()  # auto: how much of the tree, by what each has paid
+            from .distributed import agree_lengths  # a sharded target: rank 0's pick on every rank
+
+            # auto: how much of the tree, by what each has paid (timed: ranks may differ)
+            row.shape_pick = agree_lengths(self.model, [(row.shapes.pick(), None)])[0][0]
             return row.shapes.apply(draft, row.shape_pick)
         if not self._said_chain:
             self._said_chain = True

@@ -113,6 +113,7 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
         result[f"ngram{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), num_draft_tokens=3)
         if not (quick or noauto):
             result[f"ngram_auto{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter())
+            result[f"tree_auto{i}"] = tree_auto(model, tok, prompt)
         if not quick:
             result[f"draft_model{i}"] = tokens(model, tok, prompt,
                                                mlx_spec.DraftModelDrafter(draft_model, draft_tok),
@@ -134,6 +135,23 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
             plain = tokens(target_model, tok, PROMPTS[0] + seen + [3, 4], None)
             result[name] = [seen, turn2, plain]
     return result
+
+
+def tree_auto(model, tok, prompt) -> tuple[list[int], int]:
+    """n-gram trees with `auto` choosing how much of each tree to verify from what each shape
+    paid (step timings, which differ between ranks). Rank 1 would always pick the first branch
+    alone, so the ranks agree only if every rank takes rank 0's pick: tokens and tree steps."""
+    from mlx_spec.tree import ShapeChoice
+
+    real = ShapeChoice.pick
+    if mx.distributed.init().rank() == 1:
+        ShapeChoice.pick = lambda self: (real(self), 0)[1]
+    try:
+        out = list(mlx_spec.stream_generate(model, tok, prompt, mlx_spec.NGramDrafter(min_n=1, branches=2),
+                                            max_tokens=N))
+    finally:
+        ShapeChoice.pick = real
+    return [r.token for r in out], out[-1].stats.tree_steps
 
 
 def traced(model, tok, prompt, drafter, **kw):

@@ -98,11 +98,12 @@ def unsharded(folder) -> list[str]:
 
 # auto: the draft lengths are rank 0's, and the batch policy's curves are measured by all
 # ranks in the warm-up (a rank measuring alone, later, would run forwards the others do not)
-@pytest.mark.parametrize("mode,k", [("pipeline", "3"), ("tensor", "auto")])
-def test_sharded_serve_matches_unsharded(folder, mode, k):
+@pytest.mark.parametrize("mode,k,branches", [("pipeline", "3", "1"), ("tensor", "auto", "2")])
+def test_sharded_serve_matches_unsharded(folder, mode, k, branches):
     want = unsharded(folder)
     run = Launch("serve", "--shard", mode, "--model", folder, "--port", "0", "--draft", "ngram",
-                 "--num-draft-tokens", k, "--max-batch", "2", "--dist-timeout", "120", timeout=400)
+                 "--num-draft-tokens", k, "--max-batch", "2", "--dist-timeout", "120",
+                 "--branches", branches, timeout=400)
     try:
         port = int(run.wait_for(r"at http://127\.0\.0\.1:(\d+)/v1", 240).group(1))
         body = {"model": str(folder), "max_tokens": N, "temperature": 0}

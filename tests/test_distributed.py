@@ -105,6 +105,10 @@ def test_sharded_runs_match(folders, tmp_path, n):
             assert plain == res[f"unsharded{i}"], setup
             for kind in ("ngram", "ngram_auto", "draft_model"):
                 assert res.get(f"{kind}{i}", plain) == plain, (setup, kind)
+            if f"tree_auto{i}" in res:  # the shape rank 0's (sync check on)
+                assert res[f"tree_auto{i}"][0] == plain, setup
+        if "tree_auto1" in res:  # whole trees were verified
+            assert res["tree_auto0"][1] + res["tree_auto1"][1] > 0, setup
             if mode == "pipeline":  # identical logits: identical seeded sampling too
                 for seed in (1, 2):
                     assert res.get(f"sampled{i}_{seed}") == res.get(f"sampled_unsharded{i}_{seed}")

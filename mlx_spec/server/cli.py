@@ -89,9 +89,6 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch < 1:
         print("error: --max-batch must be 1 or more", file=sys.stderr)
         return 2
-    if args.shard and args.branches > 1:  # auto's tree-or-chain choice is timed on each rank
-        print("error: --branches > 1 (draft trees) is not supported with --shard yet", file=sys.stderr)
-        return 2
     try:
         return _serve(args)
     except (ValueError, FileNotFoundError) as e:
