@@ -16,7 +16,10 @@ at growing intervals, and only on a step where some row has something to propose
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 from .adaptive import (
     EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _CURVES, _read_curve, _write_curve, cache_dir,
@@ -26,6 +29,7 @@ from .identity import IdentityMap
 
 log = logging.getLogger("mlx_spec")
 
+SAVE_EVERY = 32  # batch steps observed between saves of their costs
 WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (rows x tokens)
 
 
@@ -71,8 +75,9 @@ class BatchCosts:
     """What a model's batched steps cost, learned online: observed over predicted seconds for
     each (rows, tokens per row), an exponential moving average starting at 1."""
 
-    def __init__(self):
+    def __init__(self, path: Path | None = None):
         self.ratio: dict[tuple[int, int], float] = {}
+        self.path, self.unsaved = path, 0  # where the ratios are kept for the next process
         self.parked = 0  # steps since the batch last verified a draft
         self.probe_every = PROBE_FIRST  # parked steps before a probe; doubles up to PROBE_MAX
         self.steps = 0
@@ -82,6 +87,24 @@ class BatchCosts:
     def observe(self, rows: int, width: int, predicted: float, seconds: float) -> None:
         r = self.ratio.get((rows, width))
         self.ratio[(rows, width)] = seconds / predicted if r is None else r + EMA * (seconds / predicted - r)
+        self.unsaved += 1
+        if self.unsaved >= SAVE_EVERY:
+            self.save()
+
+    def save(self) -> None:
+        """Keep the ratios for the next process (never raises: they are only a warm start)."""
+        self.unsaved = 0
+        if self.path is not None:
+            _write_json(self.path, {"ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
+
+    def load(self) -> None:
+        """What an earlier process measured: a cold start knows what verifying in a batch
+        really costs on this machine (its overheads), not only the calibrated forwards."""
+        try:
+            data = json.loads(self.path.read_text())
+            self.ratio = {(int(r), int(w)): float(v) for r, w, v in data["ratio"] if float(v) > 0}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # absent or damaged: learned again
 
     def correction(self, rows: int, width: int) -> float:
         """Observed over predicted seconds at this shape; a shape never observed takes that of
@@ -94,6 +117,19 @@ class BatchCosts:
 
 
 _BATCH = IdentityMap()  # model -> BatchCosts
+
+
+def _costs(model) -> BatchCosts:
+    """The model's batch costs, starting from what an earlier process kept (per model, dtype
+    and device, next to the adaptive policies)."""
+    def make() -> BatchCosts:
+        from . import adaptive
+
+        costs = BatchCosts(adaptive.policy_dir() / f"{model_key(model)}-batch.json")
+        costs.load()
+        return costs
+
+    return _BATCH.setdefault(model, make)
 
 
 def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
@@ -111,7 +147,7 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     fixed = [p.k for p in policies if not isinstance(p, AdaptiveK)]
     if not auto:
         return [(k, None) for k in fixed]
-    costs = _BATCH.setdefault(model, BatchCosts)
+    costs = _costs(model)
     rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
     K = max(range(len(rates)), key=rates.__getitem__)
     costs.plan = None
@@ -151,7 +187,7 @@ def trim_drafts(model, policies: list, drafts: list) -> list[int]:
     theirs. A probe keeps W >= 1 when some row proposed (else it waits for a step where one
     does); an exploring step keeps its length when drafting pays at all.
     """
-    costs = _BATCH.setdefault(model, BatchCosts)
+    costs = _costs(model)
     sizes = [d.size for d in drafts]
     auto = [s for p, s in zip(policies, sizes) if isinstance(p, AdaptiveK)]
     if not auto:
@@ -190,7 +226,9 @@ def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, dra
     seconds = batch_seconds(model, auto.costs.verify, len(policies), width)
     if drafting:
         seconds += sum(p.costs.draft_per_token * k for p, k in zip(policies, ks) if isinstance(p, AdaptiveK))
-    return seconds * (costs.correction(len(policies), width) if costs is not None else 1.0)
+    # Seeded rows choose from the calibration and the tokens alone (a seeded run repeats).
+    timed = costs is not None and all(p.timed for p in policies if isinstance(p, AdaptiveK))
+    return seconds * (costs.correction(len(policies), width) if timed else 1.0)
 
 
 def _rate(model, policies: list, ks: list[int], costs: BatchCosts) -> float:
@@ -202,6 +240,16 @@ def observe_batch(model, policies: list, ks: list[int], seconds: float) -> None:
     """A batched step with draft lengths `ks` took `seconds`: learn its shape's real cost."""
     if not any(isinstance(p, AdaptiveK) for p in policies):
         return
-    costs = _BATCH.setdefault(model, BatchCosts)
+    costs = _costs(model)
     width = 1 + max(ks)
     costs.observe(len(policies), width, _seconds(model, policies, ks, None), seconds)
+
+
+def _write_json(path: Path, data) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -117,3 +117,19 @@ def test_a_batch_that_never_hits_probes_rarely_and_drafts_again_when_acceptance_
     assert len(drafted) < 100 and all(drafted[-8:])
     for uid, want in zip(uids, wants):
         assert out[uid] == want[: len(out[uid])]
+
+
+def test_a_new_process_starts_from_the_batch_costs_the_last_one_measured(synthetic_costs, monkeypatch):
+    """Verifying in a batch costs what the calibrated forwards do plus overheads that only
+    batched steps show; what one process measured, the next starts from."""
+    from mlx_spec.adaptive import AdaptiveK, CostModel
+
+    model = tiny.llama_model()
+    rows = [AdaptiveK(CostModel([cost(n) for n in range(1, 18)]), k_max=4) for _ in range(4)]
+    for _ in range(batch_policy.SAVE_EVERY):
+        batch_policy.observe_batch(model, rows, [1, 1, 0, 0], 3 * batch_policy._seconds(model, rows, [1, 1, 0, 0], None))
+    monkeypatch.setattr(batch_policy, "_BATCH", batch_policy.IdentityMap())  # a new process
+    costs = batch_policy._costs(model)
+    assert costs.correction(4, 2) == pytest.approx(3.0)
+    assert costs.correction(4, 3) == pytest.approx(3.0)  # unobserved: the nearest width's
+    assert costs.correction(2, 2) == 1.0  # nothing known with two rows
