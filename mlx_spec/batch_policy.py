@@ -10,8 +10,9 @@ online by what batched steps of each shape really took.
 The rows' drafters then propose, and the batch verifies only what pays given what
 they actually proposed (`trim_drafts`): rows whose drafter has nothing to propose
 (an n-gram miss) add no tokens, so a step where few rows have a draft decodes
-plainly. While drafting does not pay, the batch probes with one token now and then,
-at growing intervals, and only on a step where some row has something to propose.
+plainly. While drafting does not pay, the batch probes with one token now and then, at
+intervals that grow while probes keep nothing (and shrink when they keep tokens),
+and only on a step where some row has something to propose.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ class BatchCosts:
         self.ratio: dict[tuple[int, int], float] = {}
         self.path, self.unsaved = path, 0  # where the ratios are kept for the next process
         self.parked = 0  # steps since the batch last verified a draft
-        self.probe_every = PROBE_FIRST  # parked steps before a probe; doubles up to PROBE_MAX
+        self.probe_every = PROBE_FIRST  # parked steps before a probe (PROBE_FIRST..PROBE_MAX)
         self.steps = 0
         self.plan: str | None = None  # this step: "probe", "explore" or None
         self.probed = False  # the last step verified a probe
@@ -151,10 +152,10 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
     K = max(range(len(rates)), key=rates.__getitem__)
     costs.plan = None
-    if costs.probed:  # a probe that kept a token is followed up soon; one that kept none, later
+    if costs.probed:  # a probe that kept a token is followed up sooner; one that kept none, later
         costs.probed = False
-        if any(p.state == 1 for p in auto):
-            costs.probe_every = PROBE_FIRST
+        grow = 0.5 if any(p.state == 1 for p in auto) else 2
+        costs.probe_every = max(PROBE_FIRST, min(int(costs.probe_every * grow), PROBE_MAX))
     if K == 0:
         costs.parked += 1
         if costs.parked >= costs.probe_every:  # look again, cheaply (`trim_drafts` ends it)
@@ -198,8 +199,7 @@ def trim_drafts(model, policies: list, drafts: list) -> list[int]:
     W = max(range(len(rates)), key=rates.__getitem__)
     if costs.plan == "probe" and max(auto) > 0:
         W = max(W, 1)
-        costs.parked, costs.probe_every = 0, min(2 * costs.probe_every, PROBE_MAX)
-        costs.probed = True
+        costs.parked, costs.probed = 0, True
     elif costs.plan == "explore" and W > 0:
         W = max(auto)  # the neighbouring K asked for, as far as the drafts reach
     elif W > 0:  # drafting pays on its merits
