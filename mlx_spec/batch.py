@@ -171,6 +171,7 @@ class BatchDecoder:
         self.width = len(rows)
         t0 = time.perf_counter()
         choices = choose_lengths(self.model, rows)
+        self.parked = all(k == 0 for k, _ in choices)  # the policy's own choice, not the flight's
         if self.flight is not None:  # this step is the plain one already in flight
             choices = [(0, None)] * len(rows)
         try:
@@ -214,7 +215,7 @@ class BatchDecoder:
             return drafts, [verify.plain(self.model, rows[0])]
         if len(rows) > 1 and all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
             # parked, no probe due: the next step is plain too
-            ahead = all(k == 0 for k, _ in choices) and plain_next(self.model, [r.lengths for r in rows])
+            ahead = self.parked and plain_next(self.model, [r.lengths for r in rows])
             verdicts, self.flight = batch_plain.step(self.model, cache, rows, self.flight, ahead)
             return drafts, verdicts
         self._land()
