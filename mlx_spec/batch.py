@@ -32,7 +32,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
-from .drafters.base import EMPTY
+from .drafters.base import EMPTY, Draft
+from .batch_policy import plain_next
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter
@@ -206,8 +207,10 @@ class BatchDecoder:
             drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
         cache = self.batch if self.batch is not None else rows[0].cache
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
+        if len(rows) > 1 and any(d.size for d in drafts):
+            drafts = _trimmed(self.model, rows, drafts)
         if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
-            ahead = all(k == 0 for k, _ in choices) and _plain_next(rows)
+            ahead = all(k == 0 for k, _ in choices) and _plain_next(self.model, rows)
             verdicts, self.flight = batch_plain.step(self.model, cache, rows, self.flight, ahead)
             return drafts, verdicts
         self._land()
@@ -282,14 +285,30 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     return agree_lengths(model, choices)
 
 
-def _plain_next(rows: list[Row]) -> bool:
+def _plain_next(model, rows: list[Row]) -> bool:
     """Whether the next step will be plain too (so it can be queued now): no row drafts, or
-    every row's policy is parked with no probe due by then. A wrong guess costs the step
-    queued (taken back), never a token."""
+    drafting is parked with no probe due by then (a lone row's own policy; a batch's is
+    `batch_policy`'s). A wrong guess costs the step queued (taken back), never a token."""
     from .adaptive import AdaptiveK
 
+    if len(rows) > 1:
+        return plain_next(model, [r.lengths for r in rows])
     return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked + 1 < r.lengths.probe_every
                for r in rows)
+
+
+def _trimmed(model, rows: list[Row], drafts: list) -> list:
+    """The batch's drafts cut to what pays verifying (`batch_policy.trim_drafts`); on a
+    sharded target every rank takes rank 0's lengths."""
+    from .batch_policy import trim_drafts
+    from .distributed import agree_lengths
+
+    keep = trim_drafts(model, [r.lengths for r in rows], drafts)
+    keep = [n for n, _ in agree_lengths(model, [(n, None) for n in keep])]
+    return [d if n >= d.size else EMPTY if n == 0 else
+            Draft(d.tokens[:n], None if d.q is None else d.q[:n],
+                  None if d.length is None else mx.minimum(d.length, n))
+            for d, n in zip(drafts, keep)]
 
 
 class FixedK:

@@ -6,22 +6,32 @@ are combined into one choice that maximises the batch's expected tokens per
 second. The cost of B rows x T tokens is taken from the model's calibrated
 curve (a forward over B * T tokens, the matmuls dominating) and corrected
 online by what batched steps of each shape really took.
+
+The rows' drafters then propose, and the batch verifies only what pays given what
+they actually proposed (`trim_drafts`): rows whose drafter has nothing to propose
+(an n-gram miss) add no tokens, so a step where few rows have a draft decodes
+plainly. While drafting does not pay, the batch probes with one token now and then, at
+intervals that grow while probes keep nothing (and shrink when they keep tokens),
+and only on a step where some row has something to propose.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 from .adaptive import (
-    EMA, EXPLORE, AdaptiveK, _CURVES, _read_curve, _write_curve, cache_dir, measure_verify_seconds,
-    model_key,
+    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _CURVES, _read_curve, _write_curve, cache_dir,
+    measure_verify_seconds, model_key,
 )
 from .identity import IdentityMap
 
 log = logging.getLogger("mlx_spec")
 
+SAVE_EVERY = 32  # batch steps observed between saves of their costs
 WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (rows x tokens)
-PROBE_BATCH = 8  # parked batch steps before a 1-token probe
 
 
 def wide_verify_seconds(model) -> list[float]:
@@ -66,17 +76,61 @@ class BatchCosts:
     """What a model's batched steps cost, learned online: observed over predicted seconds for
     each (rows, tokens per row), an exponential moving average starting at 1."""
 
-    def __init__(self):
+    def __init__(self, path: Path | None = None):
         self.ratio: dict[tuple[int, int], float] = {}
-        self.parked = 0  # steps parked in a row
+        self.path, self.unsaved = path, 0  # where the ratios are kept for the next process
+        self.parked = 0  # steps since the batch last verified a draft
+        self.probe_every = PROBE_FIRST  # parked steps before a probe (PROBE_FIRST..PROBE_MAX)
         self.steps = 0
+        self.plan: str | None = None  # this step: "probe", "explore" or None
+        self.probed = False  # the last step verified a probe
 
     def observe(self, rows: int, width: int, predicted: float, seconds: float) -> None:
         r = self.ratio.get((rows, width))
         self.ratio[(rows, width)] = seconds / predicted if r is None else r + EMA * (seconds / predicted - r)
+        self.unsaved += 1
+        if self.unsaved >= SAVE_EVERY:
+            self.save()
+
+    def save(self) -> None:
+        """Keep the ratios for the next process (never raises: they are only a warm start)."""
+        self.unsaved = 0
+        if self.path is not None:
+            _write_json(self.path, {"ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
+
+    def load(self) -> None:
+        """What an earlier process measured: a cold start knows what verifying in a batch
+        really costs on this machine (its overheads), not only the calibrated forwards."""
+        try:
+            data = json.loads(self.path.read_text())
+            self.ratio = {(int(r), int(w)): float(v) for r, w, v in data["ratio"] if float(v) > 0}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # absent or damaged: learned again
+
+    def correction(self, rows: int, width: int) -> float:
+        """Observed over predicted seconds at this shape; a shape never observed takes that of
+        the nearest width observed with as many rows (whatever slows those steps, load or
+        overhead, is assumed to slow it alike), else 1."""
+        if (rows, width) in self.ratio:
+            return self.ratio[(rows, width)]
+        near = [(abs(w - width), w) for r, w in self.ratio if r == rows]
+        return self.ratio[(rows, min(near)[1])] if near else 1.0
 
 
 _BATCH = IdentityMap()  # model -> BatchCosts
+
+
+def _costs(model) -> BatchCosts:
+    """The model's batch costs, starting from what an earlier process kept (per model, dtype
+    and device, next to the adaptive policies)."""
+    def make() -> BatchCosts:
+        from . import adaptive
+
+        costs = BatchCosts(adaptive.policy_dir() / f"{model_key(model)}-batch.json")
+        costs.load()
+        return costs
+
+    return _BATCH.setdefault(model, make)
 
 
 def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
@@ -94,41 +148,108 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     fixed = [p.k for p in policies if not isinstance(p, AdaptiveK)]
     if not auto:
         return [(k, None) for k in fixed]
-    costs = _BATCH.setdefault(model, BatchCosts)
+    costs = _costs(model)
     rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
     K = max(range(len(rates)), key=rates.__getitem__)
+    costs.plan = None
+    if costs.probed:  # a probe that kept a token is followed up sooner; one that kept none, later
+        costs.probed = False
+        grow = 0.5 if any(p.state == 1 for p in auto) else 2
+        costs.probe_every = max(PROBE_FIRST, min(int(costs.probe_every * grow), PROBE_MAX))
     if K == 0:
         costs.parked += 1
-        if costs.parked >= PROBE_BATCH:
-            costs.parked, K = 0, 1
+        if costs.parked >= costs.probe_every:  # look again, cheaply (`trim_drafts` ends it)
+            K, costs.plan = 1, "probe"
     else:
-        costs.parked, costs.steps = 0, costs.steps + 1
+        costs.steps += 1
         if costs.steps % EXPLORE == 0:
             K = max(1, min(len(rates) - 1, K + (1 if costs.steps // EXPLORE % 2 else -1)))
+            costs.plan = "explore"
     gain = rates[K] / rates[0]
     return [(min(K, p.k_max), gain) if isinstance(p, AdaptiveK) else (p.k, None) for p in policies]
 
 
+def plain_next(model, policies: list) -> bool:
+    """Whether the batch's next step will be plain if nothing changes (so it can be queued
+    ahead): no row drafts, or drafting is parked with no probe due by then."""
+    if not any(isinstance(p, AdaptiveK) for p in policies):
+        return True
+    costs = _BATCH.get(model)
+    return costs is None or costs.parked + 1 < costs.probe_every
+
+
+def trim_drafts(model, policies: list, drafts: list) -> list[int]:
+    """How many of its proposed tokens each row verifies, now that the drafts are known.
+
+    `choose_for_batch` assumed every auto row would propose K tokens; a row whose drafter
+    found nothing (or less) adds fewer expected tokens, while the forward still costs
+    B rows x (longest draft + 1). The auto rows' drafts are cut to the one length W
+    (0: a plain step) maximising sum_i E_i(min(W, len_i)) / T(B x (W + 1)); fixed-k rows keep
+    theirs. A probe keeps W >= 1 when some row proposed (else it waits for a step where one
+    does); an exploring step keeps its length when drafting pays at all.
+    """
+    costs = _costs(model)
+    sizes = [d.size for d in drafts]
+    auto = [s for p, s in zip(policies, sizes) if isinstance(p, AdaptiveK)]
+    if not auto:
+        return sizes
+    cut = lambda W: [min(W, s) if isinstance(p, AdaptiveK) else s  # noqa: E731
+                     for p, s in zip(policies, sizes)]
+    rates = [_rate(model, policies, cut(W), costs) for W in range(max(auto) + 1)]
+    W = max(range(len(rates)), key=rates.__getitem__)
+    if costs.plan == "probe" and max(auto) > 0:
+        W = max(W, 1)
+        costs.parked, costs.probed = 0, True
+    elif costs.plan == "explore" and W > 0:
+        W = max(auto)  # the neighbouring K asked for, as far as the drafts reach
+    elif W > 0:  # drafting pays on its merits
+        costs.parked, costs.probe_every = 0, PROBE_FIRST
+    costs.plan = None  # a probe nobody could answer is asked again next step (still due)
+    return cut(W)
+
+
 def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None) -> tuple[float, float]:
     """(expected tokens per second, predicted seconds) of a batch step where auto rows draft K."""
-    auto = [p for p in policies if isinstance(p, AdaptiveK)]
     ks = [min(K, p.k_max) if isinstance(p, AdaptiveK) else p.k for p in policies]
-    tokens = sum(p.expected_tokens(k) if isinstance(p, AdaptiveK) else k + 1 for p, k in zip(policies, ks))
+    seconds = _seconds(model, policies, ks, costs)
+    return _tokens(policies, ks) / seconds, seconds
+
+
+def _tokens(policies: list, ks: list[int]) -> float:
+    return sum(p.expected_tokens(k) if isinstance(p, AdaptiveK) else k + 1 for p, k in zip(policies, ks))
+
+
+def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, drafting: bool = True) -> float:
+    """Predicted seconds of a batch step with draft lengths `ks` (`drafting`: with the drafters' time)."""
+    auto = next(p for p in policies if isinstance(p, AdaptiveK))
     width = 1 + max(ks)
-    seconds = batch_seconds(model, auto[0].costs.verify, len(policies), width)
-    seconds += sum(p.costs.draft_per_token * k for p, k in zip(policies, ks) if isinstance(p, AdaptiveK))
-    if costs is not None:
-        seconds *= costs.ratio.get((len(policies), width), 1.0)
-    return tokens / seconds, seconds
+    seconds = batch_seconds(model, auto.costs.verify, len(policies), width)
+    if drafting:
+        seconds += sum(p.costs.draft_per_token * k for p, k in zip(policies, ks) if isinstance(p, AdaptiveK))
+    # Seeded rows choose from the calibration and the tokens alone (a seeded run repeats).
+    timed = costs is not None and all(p.timed for p in policies if isinstance(p, AdaptiveK))
+    return seconds * (costs.correction(len(policies), width) if timed else 1.0)
+
+
+def _rate(model, policies: list, ks: list[int], costs: BatchCosts) -> float:
+    """Expected tokens per second of verifying drafts already made (their drafting is spent)."""
+    return _tokens(policies, ks) / _seconds(model, policies, ks, costs, drafting=False)
 
 
 def observe_batch(model, policies: list, ks: list[int], seconds: float) -> None:
     """A batched step with draft lengths `ks` took `seconds`: learn its shape's real cost."""
     if not any(isinstance(p, AdaptiveK) for p in policies):
         return
-    costs = _BATCH.setdefault(model, BatchCosts)
-    auto = next(p for p in policies if isinstance(p, AdaptiveK))
+    costs = _costs(model)
     width = 1 + max(ks)
-    predicted = batch_seconds(model, auto.costs.verify, len(policies), width)
-    predicted += sum(p.costs.draft_per_token * k for p, k in zip(policies, ks) if isinstance(p, AdaptiveK))
-    costs.observe(len(policies), width, predicted, seconds)
+    costs.observe(len(policies), width, _seconds(model, policies, ks, None), seconds)
+
+
+def _write_json(path: Path, data) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass

@@ -1,0 +1,135 @@
+"""The batch's draft lengths in a real decode loop (`mlx_spec.batch_policy`): a step verifies
+drafts only when what the rows actually proposed pays for the wider forward; while nothing
+is accepted the batch probes rarely, and it drafts again once acceptance appears.
+
+Costs are synthetic (a forward over w tokens costs 1 + 0.1 w) and every row is seeded, so
+the policies learn from tokens only: the step counts below are exact, not timings."""
+
+import mlx.core as mx
+import pytest
+
+import mlx_spec
+import tiny
+from mlx_spec import BatchDecoder, adaptive, batch_policy
+from mlx_spec.drafters.base import EMPTY
+from runs import mlx_lm_greedy as reference
+
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4, 3, 1, 2, 9, 8, 7], [9, 9, 8, 7, 6, 5, 4, 3],
+           [40, 41, 40, 41, 40, 1, 2, 3]]
+
+
+def cost(w: int) -> float:
+    return 1 + 0.1 * w
+
+
+@pytest.fixture
+def synthetic_costs(monkeypatch):
+    monkeypatch.setattr(adaptive, "verify_seconds",
+                        lambda model, n_max=adaptive.N_MAX, recalibrate=False: [cost(n) for n in range(1, n_max + 1)])
+    monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [cost(w) for w in batch_policy.WIDE])
+
+
+class Scripted:
+    """Proposes from the row's known greedy continuation `want`: `mode["how"]` is "right" (the
+    next tokens), "first" (the next token, then wrong ones), "wrong" (never the next token)
+    or "none" (nothing: an n-gram miss)."""
+
+    max_draft = 8
+    taps = ()
+
+    def __init__(self, want: list[int], mode: dict):
+        self.want, self.mode, self.pos = want, mode, 0
+
+    def bind(self, model, tokenizer):
+        self.pos = 0  # index in `want` of the row's current last token
+
+    def prefill(self, tokens, taps):
+        pass
+
+    def propose(self, y, k, sampling):
+        how = self.mode["how"]
+        assert y == self.want[self.pos]
+        nxt = self.want[self.pos + 1 : self.pos + 1 + k]
+        if how == "none" or not nxt:
+            return EMPTY
+        wrong = [(t + 1) % tiny.VOCAB for t in nxt]
+        tokens = {"right": nxt, "first": nxt[:1] + wrong[1:], "wrong": wrong}[how]
+        return mlx_spec.Draft(mx.array(tokens, mx.uint32))
+
+    def commit(self, tokens, taps):
+        self.pos += len(tokens)
+
+
+def start(modes: list[dict], n: int):
+    model = tiny.llama_model()  # a fresh model: no batch costs learned by other tests
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=len(modes))
+    wants = [reference(model, p, n + 20) for p in PROMPTS[: len(modes)]]
+    uids = [decoder.add(p, Scripted(w, m), max_tokens=n, num_draft_tokens="auto", seed=0, trace=True)
+            for p, w, m in zip(PROMPTS, wants, modes)]
+    return decoder, uids, wants
+
+
+def run(decoder, steps: int, out: dict) -> list[bool]:
+    """`steps` batch steps; for each, whether it verified any draft. Checks every row's
+    tokens so far against its greedy output."""
+    drafted = []
+    for _ in range(steps):
+        proposed = False
+        for uid, block in decoder.step():
+            out.setdefault(uid, []).extend(r.token for r in block)
+            trace = block[-1].stats.trace if block else None
+            proposed |= bool(trace) and bool(trace[-1].proposed)
+        assert decoder.width == len(decoder.active) > 1
+        drafted.append(proposed)
+    return drafted
+
+
+def test_rows_with_nothing_to_propose_do_not_force_a_drafting_step(synthetic_costs):
+    """One row's drafter gets its first token right, three find nothing: verifying one row's
+    draft widens all four rows' forward for one expected token more, which does not pay, so
+    no step drafts. When every row proposes the same, drafting pays and most steps draft."""
+    lone = [{"how": "first"}] + [{"how": "none"} for _ in range(3)]
+    decoder, uids, wants = start(lone, 100)
+    out = {}
+    assert sum(run(decoder, 40, out)) == 0
+    for uid, want in zip(uids, wants):
+        assert out[uid] == want[: len(out[uid])]
+
+    decoder, uids, wants = start([{"how": "first"} for _ in range(4)], 100)
+    out = {}
+    assert sum(run(decoder, 40, out)) >= 30
+    for uid, want in zip(uids, wants):
+        assert out[uid] == want[: len(out[uid])]
+
+
+def test_a_batch_that_never_hits_probes_rarely_and_drafts_again_when_acceptance_appears(synthetic_costs):
+    mode = {"how": "wrong"}
+    decoder, uids, wants = start([mode] * 4, 600)
+    out = {}
+    drafted = run(decoder, 140, out)
+    assert drafted.index(False) <= 12  # a cold start learns within a few steps that drafts are wrong
+    assert sum(drafted[20:]) <= 5  # then probes at growing intervals: 4, 8, 16, 32, 64 steps
+    mode["how"] = "right"  # the drafts become the target's own continuation
+    drafted = []
+    while len(drafted) < 140 and not all(drafted[-8:] or [False]):
+        drafted += run(decoder, 1, out)
+    # the next probe keeps its token, the follow-ups come sooner, and drafting pays again
+    assert len(drafted) < 140 and all(drafted[-8:])
+    for uid, want in zip(uids, wants):
+        assert out[uid] == want[: len(out[uid])]
+
+
+def test_a_new_process_starts_from_the_batch_costs_the_last_one_measured(synthetic_costs, monkeypatch):
+    """Verifying in a batch costs what the calibrated forwards do plus overheads that only
+    batched steps show; what one process measured, the next starts from."""
+    from mlx_spec.adaptive import AdaptiveK, CostModel
+
+    model = tiny.llama_model()
+    rows = [AdaptiveK(CostModel([cost(n) for n in range(1, 18)]), k_max=4) for _ in range(4)]
+    for _ in range(batch_policy.SAVE_EVERY):
+        batch_policy.observe_batch(model, rows, [1, 1, 0, 0], 3 * batch_policy._seconds(model, rows, [1, 1, 0, 0], None))
+    monkeypatch.setattr(batch_policy, "_BATCH", batch_policy.IdentityMap())  # a new process
+    costs = batch_policy._costs(model)
+    assert costs.correction(4, 2) == pytest.approx(3.0)
+    assert costs.correction(4, 3) == pytest.approx(3.0)  # unobserved: the nearest width's
+    assert costs.correction(2, 2) == 1.0  # nothing known with two rows
