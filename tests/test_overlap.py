@@ -71,7 +71,7 @@ def test_speculative_steps_queue_their_pieces(monkeypatch):
             got.append(r.text)
         assert "".join(got) == want
         assert len(verifies) >= 3  # steps that verified drafts (an n-gram miss is a plain step)
-        assert len(calls) >= len(verifies) * 8  # 8 layers, a piece each
+        assert len(calls) >= r.stats.target_forwards * 8  # 8 layers, a piece each, plain steps too
 
 
 class overlapped_spy:
