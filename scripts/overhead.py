@@ -38,12 +38,15 @@ def main() -> int:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--k", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--max-tokens", type=int, default=None, help="tokens a run (96; GPU-like: 200)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpu-like", action="store_true")
     p.add_argument("--policy", action="store_true")
     args = p.parse_args()
-    return policy(args) if args.policy else gpu_like(args) if args.gpu_like else real(args)
+    if args.policy or args.gpu_like:
+        return policy(args) if args.policy else gpu_like(args)
+    args.max_tokens = args.max_tokens or 96
+    return real(args)
 
 
 def _median(xs):
@@ -125,27 +128,37 @@ def gpu_like(args) -> int:
     mx.eval(model.parameters())
     _, tok = mlx_spec.load(resolve_model("smollm2-135m-instruct"))  # a real 49152-token tokenizer
     prompt = [5, 6, 7, 8] * 8
-    n = 200
+    n = args.max_tokens or 200  # short runs, many rounds: interleaving beats a noisy machine
+
+    ends: list[float] = []  # when each step of the last run ended (its last token arrived)
 
     def mlx_lm_plain():
         tic, cpu, count = time.perf_counter(), time.process_time(), 0
+        ends.clear()
         for _ in generate_step(mx.array(prompt), model, max_tokens=n):
             count += 1
+            ends.append(time.perf_counter())
         return (time.perf_counter() - tic) / count * 1e3, (time.process_time() - cpu) / count * 1e3
 
     def mlx_lm_stream():  # with detokenizing and a response per token, as ours does
         from mlx_lm.generate import stream_generate
 
         tic, cpu, count = time.perf_counter(), time.process_time(), 0
+        ends.clear()
         for _ in stream_generate(model, tok, prompt, max_tokens=n):
             count += 1
+            ends.append(time.perf_counter())
         return (time.perf_counter() - tic) / count * 1e3, (time.process_time() - cpu) / count * 1e3
 
     def ours(drafter, every=overlap.EVERY, masks=True):
         overlap.EVERY, verify.ARRAY_MASKS = every, masks
         cpu = time.process_time()
-        out = list(mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n,
-                                            num_draft_tokens=args.k))
+        ends.clear()
+        out = []
+        for r in mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=n, num_draft_tokens=args.k):
+            out.append(r)
+            if not r.from_draft:  # a block's last token: the target's own
+                ends.append(time.perf_counter())
         s = out[-1].stats
         cpu_ms = (time.process_time() - cpu) / s.target_forwards * 1e3
         return s.step_seconds / s.target_forwards * 1e3, cpu_ms, s.drafted / s.target_forwards
@@ -161,14 +174,20 @@ def gpu_like(args) -> int:
     res = {"mlx-lm plain": [], "mlx-lm stream": [], "mlx-spec plain": [], f"mlx-spec ngram k={args.k}": [],
            f"mlx-spec ngram k={args.k} no-overlap": [], f"mlx-spec ngram k={args.k} causal-mask": []}
     cpu = {name: [] for name in res}
+    periods = {name: [] for name in res}  # step to step, steady state (after the first two)
+    runs = {"mlx-lm plain": mlx_lm_plain, "mlx-lm stream": mlx_lm_stream,
+            "mlx-spec plain": lambda: ours(None), f"mlx-spec ngram k={args.k}": lambda: ours(AlwaysK()),
+            f"mlx-spec ngram k={args.k} no-overlap": lambda: ours(AlwaysK(), 0),
+            f"mlx-spec ngram k={args.k} causal-mask": lambda: ours(AlwaysK(), masks=False)}
     for r in range(args.rounds + 1):
-        *ngram, drafted = ours(AlwaysK())
-        got = (mlx_lm_plain(), mlx_lm_stream(), ours(None)[:2], ngram, ours(AlwaysK(), 0)[:2],
-               ours(AlwaysK(), masks=False)[:2])
-        if r:
-            for name, (wall, cpu_ms) in zip(res, got):
+        for name, run in runs.items():
+            wall, cpu_ms, *rest = run()
+            if name == f"mlx-spec ngram k={args.k}":
+                drafted = rest[0]
+            if r:
                 res[name].append(wall)
                 cpu[name].append(cpu_ms)
+                periods[name] += [b - a for a, b in zip(ends[2:], ends[3:])]
     base, cpu_base = _median(res["mlx-lm plain"]), _median(cpu["mlx-lm plain"])
     print(f"(the n-gram steps verified {drafted:.1f} drafted tokens on average)")
     ngram = res[f"mlx-spec ngram k={args.k}"]
@@ -178,10 +197,17 @@ def gpu_like(args) -> int:
           f"mlx-lm plain median {_median([a / b for a, b in zip(res['mlx-spec plain'], res['mlx-lm plain'])]):.3f}")
     print(f"GPU-like regime (30 x 64 llama, 49152 vocabulary), {n} tokens, {args.rounds} rounds (medians);")
     print("wall: ms per step; cpu: CPU ms (all threads) per step, less sensitive to other jobs on the machine")
-    for name, runs in res.items():
-        ms, c = _median(runs), _median(cpu[name])
+    for name, walls in res.items():
+        ms, c = _median(walls), _median(cpu[name])
         print(f"{name:31s} wall {ms:6.2f} ms {ms / base:5.2f}x   cpu {c:6.2f} ms {c / cpu_base:5.2f}x   "
-              f"(wall runs: {', '.join(f'{x:.1f}' for x in runs)})")
+              f"(wall runs: {', '.join(f'{x:.1f}' for x in walls)})")
+    # One step's period (end of a step's block to the end of the next, detokenizing and the
+    # caller included), median over every steady-state step of every round: a slow spell of
+    # the machine moves a few steps, not the median.
+    print("median step period over all rounds (the robust measure on a shared machine):")
+    p_base = _median(periods["mlx-lm plain"])
+    for name, ps in periods.items():
+        print(f"{name:31s} {_median(ps) * 1e3:6.2f} ms {_median(ps) / p_base:5.2f}x   ({len(ps)} steps)")
     return 0
 
 
