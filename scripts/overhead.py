@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpu-like", action="store_true")
     p.add_argument("--policy", action="store_true")
+    p.add_argument("--pairs", type=int, default=0, metavar="N",
+                   help="GPU-like: only N interleaved pairs of whole plain runs, mlx-spec vs mlx-lm")
     args = p.parse_args()
     if args.policy or args.gpu_like:
         return policy(args) if args.policy else gpu_like(args)
@@ -162,6 +164,24 @@ def gpu_like(args) -> int:
         s = out[-1].stats
         cpu_ms = (time.process_time() - cpu) / s.target_forwards * 1e3
         return s.step_seconds / s.target_forwards * 1e3, cpu_ms, s.drafted / s.target_forwards
+
+    if args.pairs:  # the plain loops alone, whole runs alternating (which goes first, too)
+        def ours_whole():  # per token over the whole run, prefill included, as mlx_lm_plain's
+            tic = time.perf_counter()
+            count = sum(1 for _ in mlx_spec.stream_generate(model, tok, prompt, None, max_tokens=n))
+            return (time.perf_counter() - tic) / count * 1e3, None
+
+        ratios = []
+        for i in range(args.pairs + 1):
+            first, second = (mlx_lm_plain, ours_whole) if i % 2 else (ours_whole, mlx_lm_plain)
+            a, b = first()[0], second()[0]
+            theirs_ms, ours_ms = (a, b) if i % 2 else (b, a)
+            if i:
+                ratios.append(ours_ms / theirs_ms)
+        q = statistics.quantiles(ratios, n=4)
+        print(f"mlx-spec plain / mlx-lm generate_step, {args.pairs} pairs of {n}-token runs: median "
+              f"{_median(ratios):.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f})")
+        return 0
 
     class AlwaysK(mlx_spec.NGramDrafter):
         """Prompt lookup that always proposes k tokens (repeating y when the index has
