@@ -176,6 +176,10 @@ class AdaptiveK:
                 k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
+    def parked_next(self) -> bool:
+        """Whether the next `choose` stays parked if nothing changes (no probe due by then)."""
+        return self.parked + 1 < self.probe_every
+
     def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
         """A verify step with `proposed` drafted tokens kept `accepted` of them."""
         estimates = self.estimates()
@@ -280,12 +284,18 @@ def _read_curve(path: Path) -> list[float] | None:
         return None  # absent, unreadable or damaged: measured again
 
 
+def write_json(path: Path, data) -> None:
+    """Write `data` to `path` whole or not at all (a temporary file, then a rename), so a
+    reader in another process never sees half of it. Raises OSError when it cannot."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
 def _write_curve(path: Path, times: list[float]) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"verify_seconds": times}))
-        tmp.replace(path)
+        write_json(path, {"verify_seconds": times})
     except OSError as e:
         log.warning("cannot write the calibration cache %s (%s); keeping it in memory "
                     "for this process (set MLX_SPEC_CACHE to a writable folder)", path, e)
@@ -395,10 +405,7 @@ def save_learned(policy: AdaptiveK, path: Path) -> None:
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
+        write_json(path, data)
     except OSError:
         pass
 

@@ -293,8 +293,7 @@ def _plain_next(model, rows: list[Row]) -> bool:
 
     if len(rows) > 1:
         return plain_next(model, [r.lengths for r in rows])
-    return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked + 1 < r.lengths.probe_every
-               for r in rows)
+    return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked_next() for r in rows)
 
 
 def _trimmed(model, rows: list[Row], drafts: list) -> list:

@@ -34,7 +34,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from .batch_window import BatchWindowKVCache
-from .cache import WindowKVCache
+from .cache import Checkpoint, WindowKVCache
 
 
 def _mergeable(c) -> bool:
@@ -75,6 +75,12 @@ def remove(batch: list, i: int, rows: int) -> None:
     keep = [j for j in range(rows) if j != i]
     for b in batch:
         b.filter(keep)
+
+
+def checkpoint(model, cache: list, rows: int):
+    """The checkpoint of a block fed to `rows` rows: a lone row's own cache (any kind) or the
+    batch cache. Both `restore()`; `keep` takes a row's kept tokens, or a list of them."""
+    return Checkpoint(model, cache) if rows == 1 else BatchCheckpoint(cache, model)
 
 
 class BatchCheckpoint:

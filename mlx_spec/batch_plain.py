@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .batch_cache import BatchCheckpoint
+from .batch_cache import BatchCheckpoint, checkpoint
 from .cache import Checkpoint
 from .overlap import overlapped
 from .verify import Verdict, log_softmax
@@ -46,7 +46,7 @@ def eligible(row) -> bool:
 def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flight:
     """Queue one plain step of every row on `inputs` [B] (lazy or not): the row's step
     `steps + later` (its random stream is that step's, as a verify step's would be)."""
-    ckpt = BatchCheckpoint(cache, model) if len(rows) > 1 else Checkpoint(model, cache)
+    ckpt = checkpoint(model, cache, len(rows))
     # Nothing in flight (later = 0): MLX is idle, so it evaluates the forward in pieces while
     # the rest is built; queued behind a step in flight, it is built whole (measured faster).
     with overlapped(model, None if later == 0 else 0) as pieces:
@@ -90,7 +90,7 @@ def land(flight: Flight | None, rows: list) -> None:
     """Take a step in flight back out of the cache (before the batch changes or a row drafts)."""
     if flight is None:
         return
-    flight.ckpt.restore() if isinstance(flight.ckpt, BatchCheckpoint) else flight.ckpt.keep([])
+    flight.ckpt.restore()
     for row in rows:
         if row.uid in flight.uids:
             row.consumed -= 1

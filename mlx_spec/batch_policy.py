@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 from .adaptive import (
     EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _CURVES, _read_curve, _write_curve, cache_dir,
-    measure_verify_seconds, model_key,
+    measure_verify_seconds, model_key, write_json,
 )
 from .identity import IdentityMap
 
@@ -96,7 +95,10 @@ class BatchCosts:
         """Keep the ratios for the next process (never raises: they are only a warm start)."""
         self.unsaved = 0
         if self.path is not None:
-            _write_json(self.path, {"ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
+            try:
+                write_json(self.path, {"ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
+            except OSError:
+                pass
 
     def load(self) -> None:
         """What an earlier process measured: a cold start knows what verifying in a batch
@@ -244,12 +246,3 @@ def observe_batch(model, policies: list, ks: list[int], seconds: float) -> None:
     width = 1 + max(ks)
     costs.observe(len(policies), width, _seconds(model, policies, ks, None), seconds)
 
-
-def _write_json(path: Path, data) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass

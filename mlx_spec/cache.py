@@ -324,6 +324,10 @@ class Checkpoint:
                 copied = _copied_attrs(c)
                 self.states.append((c, {a: _copy(getattr(c, a), a in copied) for a in attrs}))
 
+    def restore(self) -> None:
+        """The cache exactly as at the checkpoint (as `BatchCheckpoint.restore`)."""
+        self.keep([])
+
     def keep(self, kept: Sequence[int], fed: int | None = None) -> None:
         """Keep `kept` of what was fed since the checkpoint (`fed` tokens, when known)."""
         if fed is not None and fed == len(kept):

@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from . import acceptance, tree
-from .batch_cache import BatchCheckpoint
-from .cache import Checkpoint
+from .batch_cache import checkpoint
+from .cache import WindowKVCache
 from .drafters.base import Draft
 from .overlap import overlapped
 
@@ -124,18 +125,14 @@ class ArrayMask:
 
 
 ARRAY_MASKS = True  # False: let layers build "causal" themselves (scripts/overhead.py's "before")
+_MASKED_KINDS = (KVCache, QuantizedKVCache, RotatingKVCache, WindowKVCache)  # (batch caches: arrays already)
 
 
 def _masked(cache: list) -> list:
     """`cache` with its plain, quantized and window KV layers asking for array masks."""
     if not ARRAY_MASKS:
         return cache
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
-
-    from .cache import WindowKVCache
-
-    kinds = (KVCache, QuantizedKVCache, RotatingKVCache, WindowKVCache)
-    return [ArrayMask(c) if type(c) in kinds else c for c in cache]
+    return [ArrayMask(c) if type(c) in _MASKED_KINDS else c for c in cache]
 
 
 class Chain:
@@ -186,7 +183,7 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
     if single and block.depth is None:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
         rows[0].req.quantize_cache(cache)
     T = 1 + max(d.size for d in drafts)
-    ckpt = Checkpoint(model, cache) if single else BatchCheckpoint(cache, model)
+    ckpt = checkpoint(model, cache, len(rows))
     try:
         inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens]
                                  + ([mx.full((T - 1 - d.size,), r.y, mx.uint32)] if d.size < T - 1 else []))
@@ -210,7 +207,7 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
             verdicts.append(Verdict(proposed, n, nxt, taps and {t: h[at] for t, h in taps.items()},
                                     log_softmax(rows_logits[i][at]), d.size, block.depth))
     except BaseException:
-        ckpt.keep([]) if single else ckpt.restore()
+        ckpt.restore()
         raise
     if single:
         ckpt.keep(kept[0], T)  # (a tree's path is in place already: nothing left to trim)

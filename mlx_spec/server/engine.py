@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ..handover import explain
+from ..handover import explain, materialize
 from .events import Failed, Finished, Job, Piece, Usage, drafter_kind, logprob  # noqa: F401
 from .link import Plan
 from .metrics import Metrics
@@ -134,8 +134,6 @@ class Engine:
         """Start the engine thread; `warm_up` runs a first tiny generation (and the verify cost
         calibration `num_draft_tokens="auto"` needs) there before returning, so the first
         client does not pay for it."""
-        from ..handover import materialize
-
         materialize(self.model, self.drafter)  # MLX streams belong to a thread
         self._warm = threading.Event()
         self._warm_up_first = warm_up
