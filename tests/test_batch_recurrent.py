@@ -209,4 +209,4 @@ def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
         L.assert_lossless(r, joint)
     with pytest.MonkeyPatch.context() as mp:
         L.use_rule(mp, L.wrong_rule(residual="p"))
-        L.assert_caught(runs(800)[0], joints[0])
+        L.assert_caught(runs(300)[0], joints[0])  # caught with p < 1e-14 from 200 runs
