@@ -64,7 +64,10 @@ def batch_seconds(model, narrow: list[float], rows: int, width: int) -> float:
     w = rows * width
     if w <= len(narrow):
         return narrow[w - 1]
-    wide = wide_verify_seconds(model)
+    costs = _costs(model)
+    if costs.wide is None:  # once per model object: finding the curve walks its parameters
+        costs.wide = wide_verify_seconds(model)
+    wide = costs.wide
     for (w0, t0), (w1, t1) in zip(zip(WIDE, wide), zip(WIDE[1:], wide[1:])):
         if w <= w1:
             return t0 + (t1 - t0) * (w - w0) / (w1 - w0)
@@ -83,6 +86,7 @@ class BatchCosts:
         self.steps = 0
         self.plan: str | None = None  # this step: "probe", "explore" or None
         self.probed = False  # the last step verified a probe
+        self.wide: list[float] | None = None  # the model's `wide_verify_seconds`, once looked up
 
     def observe(self, rows: int, width: int, predicted: float, seconds: float) -> None:
         r = self.ratio.get((rows, width))
