@@ -87,6 +87,10 @@ class AdaptiveK:
     parked: int = 0
     probe_every: int = PROBE_FIRST
     steps: int = 0
+    # offers[state]: how often the drafter proposes anything when asked (an n-gram drafter
+    # misses on most chat steps); seen by a batch, which assumes each row drafts K otherwise
+    offers: list[float] = field(default_factory=lambda: [1.0] * STATES)
+    asked: list[int] = field(default_factory=lambda: [0] * STATES)
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)
@@ -175,6 +179,17 @@ class AdaptiveK:
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
+
+    def offered(self, asked: int, proposed: int) -> None:
+        """The drafter, asked for `asked` tokens, proposed `proposed` (before any trimming)."""
+        if asked > 0:
+            n = self.asked[self.state] = self.asked[self.state] + 1
+            w = max(1.0 / (n + PRIOR_WEIGHT), EMA)
+            self.offers[self.state] += w * ((proposed > 0) - self.offers[self.state])
+
+    def expected_offered(self, k: int) -> float:
+        """Expected tokens of a step asking for k, counting the steps the drafter proposes nothing."""
+        return 1.0 + self.offers[self.state] * (self.expected_tokens(k) - 1.0)
 
     def parked_next(self) -> bool:
         """Whether the next `choose` stays parked if nothing changes (no probe due by then)."""

@@ -205,6 +205,7 @@ class BatchDecoder:
             row.commit_later()
             row.seed_rng(2)
             drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
+            row.offer = (k, drafts[-1].size)  # asked, proposed (before any trimming)
         cache = self.batch if self.batch is not None else rows[0].cache
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
         if len(rows) > 1 and any(d.size for d in drafts):
@@ -320,6 +321,9 @@ class FixedK:
         return self.k, None
 
     def observe(self, proposed: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+    def offered(self, asked: int, proposed: int) -> None:
         pass
 
 

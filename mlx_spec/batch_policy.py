@@ -144,7 +144,8 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
 
     The forward costs the same for every row up to the longest draft, so rows on
     `auto` all draft up to one K (each capped at its own k_max), chosen for
-    sum over rows of E_i(k_i) / (T(B rows x (K + 1)) + drafting); fixed-k rows
+    sum over rows of E_i(k_i) / (T(B rows x (K + 1)) + drafting), where E_i counts
+    how often row i's drafter proposes at all (`AdaptiveK.offered`); fixed-k rows
     keep their k. T comes from the calibrated curve, corrected by what batched
     steps of that shape really cost (`observe_batch`); a neighbouring K is tried
     now and then to measure it. K = 0 decodes plainly, with a 1-token probe now
@@ -158,9 +159,12 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
     K = max(range(len(rates)), key=rates.__getitem__)
     costs.plan = None
-    if costs.probed:  # a probe that kept a token is followed up sooner; one that kept none, later
+    if costs.probed:  # a probe whose outcome would pay if it held is followed up sooner; else later
         costs.probed = False
-        grow = 0.5 if any(p.state == 1 for p in auto) else 2
+        kept = sum(p.state == 1 for p in auto)  # rows whose probe token the target kept
+        paid = (len(policies) + kept) / _seconds(model, policies, [1] * len(policies), costs) \
+            > len(policies) / _seconds(model, policies, [0] * len(policies), costs)
+        grow = 0.5 if paid else 2
         costs.probe_every = max(PROBE_FIRST, min(int(costs.probe_every * grow), PROBE_MAX))
     if K == 0:
         costs.parked += 1
@@ -218,11 +222,14 @@ def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None
     """(expected tokens per second, predicted seconds) of a batch step where auto rows draft K."""
     ks = [min(K, p.k_max) if isinstance(p, AdaptiveK) else p.k for p in policies]
     seconds = _seconds(model, policies, ks, costs)
-    return _tokens(policies, ks) / seconds, seconds
+    return _tokens(policies, ks, offered=True) / seconds, seconds
 
 
-def _tokens(policies: list, ks: list[int]) -> float:
-    return sum(p.expected_tokens(k) if isinstance(p, AdaptiveK) else k + 1 for p, k in zip(policies, ks))
+def _tokens(policies: list, ks: list[int], offered: bool = False) -> float:
+    """Expected tokens of the rows drafting `ks`; before the drafts exist (`offered`), a row
+    counts its drafter's misses (a row that rarely has anything to propose adds little)."""
+    return sum((p.expected_offered(k) if offered else p.expected_tokens(k)) if isinstance(p, AdaptiveK)
+               else k + 1 for p, k in zip(policies, ks))
 
 
 def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, drafting: bool = True) -> float:

@@ -65,6 +65,7 @@ class Row:
         self.shapes = None  # tree.ShapeChoice: auto's choice of how much of a tree, when trees come
         self.shape_pick: int | None = None  # this step's choice (1: the whole tree, 0: a chain)
         self.steps = 0
+        self.offer = (0, 0)  # this step's draft: tokens asked of the drafter, tokens it proposed
         self.finish: str | None = None
         self.settled = False  # released: its drafter and prompt cache are free again
         self.claimed: list = []
@@ -113,6 +114,7 @@ class Row:
         """A verify step's outcome for this row (k asked, `gain` the policy's estimate)."""
         if self.drafter is not None:
             self.later = ([self.y] + v.proposed[: v.n], v.taps)
+        self.lengths.offered(*self.offer)  # before `observe` moves the policy's state
         self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds)  # per depth
         self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
         self.stats.sync_seconds = self.sync_seconds

@@ -32,7 +32,8 @@ def synthetic_costs(monkeypatch):
 class Scripted:
     """Proposes from the row's known greedy continuation `want`: `mode["how"]` is "right" (the
     next tokens), "first" (the next token, then wrong ones), "wrong" (never the next token)
-    or "none" (nothing: an n-gram miss)."""
+    "none" (nothing: an n-gram miss) or "rarely" (the next tokens at a fifth of positions, else
+    nothing: an n-gram drafter on chat)."""
 
     max_draft = 8
     taps = ()
@@ -49,11 +50,12 @@ class Scripted:
     def propose(self, y, k, sampling):
         how = self.mode["how"]
         assert y == self.want[self.pos]
+        self.asked = getattr(self, "asked", 0) + 1
         nxt = self.want[self.pos + 1 : self.pos + 1 + k]
-        if how == "none" or not nxt:
+        if how == "none" or not nxt or (how == "rarely" and self.pos * 7919 % 10 >= 2):
             return EMPTY
         wrong = [(t + 1) % tiny.VOCAB for t in nxt]
-        tokens = {"right": nxt, "first": nxt[:1] + wrong[1:], "wrong": wrong}[how]
+        tokens = {"right": nxt, "rarely": nxt, "first": nxt[:1] + wrong[1:], "wrong": wrong}[how]
         return mlx_spec.Draft(mx.array(tokens, mx.uint32))
 
     def commit(self, tokens, taps):
@@ -87,17 +89,42 @@ def run(decoder, steps: int, out: dict) -> list[bool]:
 def test_rows_with_nothing_to_propose_do_not_force_a_drafting_step(synthetic_costs):
     """One row's drafter gets its first token right, three find nothing: verifying one row's
     draft widens all four rows' forward for one expected token more, which does not pay, so
-    no step drafts. When every row proposes the same, drafting pays and most steps draft."""
+    the batch parks: its only drafted steps are probes, at growing intervals (a kept probe
+    token that would not pay if it held is no reason to look again sooner). When every row
+    proposes the same, drafting pays and most steps draft."""
     lone = [{"how": "first"}] + [{"how": "none"} for _ in range(3)]
     decoder, uids, wants = start(lone, 100)
     out = {}
-    assert sum(run(decoder, 40, out)) == 0
+    drafted = run(decoder, 40, out)
+    at = [i for i, d in enumerate(drafted) if d]
+    assert 1 <= len(at) <= 3 and all(b - a < c - b for a, b, c in zip(at, at[1:], at[2:]))
     for uid, want in zip(uids, wants):
         assert out[uid] == want[: len(out[uid])]
 
     decoder, uids, wants = start([{"how": "first"} for _ in range(4)], 100)
     out = {}
     assert sum(run(decoder, 40, out)) >= 30
+    for uid, want in zip(uids, wants):
+        assert out[uid] == want[: len(out[uid])]
+
+
+@pytest.mark.parametrize("wrong_rule", [False, True])
+def test_rows_that_rarely_propose_leave_the_batch_plain(synthetic_costs, monkeypatch, wrong_rule):
+    """Four rows whose drafters find something at a fifth of positions (and are then right):
+    a batch that assumed every row proposes K would ask for drafts on every step (so no
+    plain step could be queued ahead); counting the misses, it parks and probes (a probe is
+    asked again until some row answers it). The
+    wrong rule (misses not counted) asks on nearly every step."""
+    if wrong_rule:
+        monkeypatch.setattr(adaptive.AdaptiveK, "offered", lambda self, asked, proposed: None)
+    decoder, uids, wants = start([{"how": "rarely"}] * 4, 400)
+    out = {}
+    run(decoder, 20, out)  # learning
+    drafters = [r.drafter for r in decoder.active]
+    before = [d.asked for d in drafters]
+    run(decoder, 60, out)
+    asked_steps = max(d.asked - b for d, b in zip(drafters, before))
+    assert (asked_steps >= 55) if wrong_rule else (asked_steps <= 45)
     for uid, want in zip(uids, wants):
         assert out[uid] == want[: len(out[uid])]
 
