@@ -1,13 +1,14 @@
 """Concurrent streams: mlx-lm's batching, mlx-spec one request at a time, mlx-spec batched.
 
     python scripts/batch_bench.py [--model smollm2-135m-instruct] [--draft-model NAME]
-        [--suites code-edit,chat] [--streams 1,2,4,8] [--max-tokens 64] [--rounds 2]
+        [--suites code-edit,chat] [--streams 1,2,4,8] [--max-tokens 64] [--rounds 2] [--plain]
 
 For each suite and number of concurrent streams c, the same c prompts (greedy) go through
   * mlx-lm    mlx_lm.generate.batch_generate: continuous batching, no speculation;
   * spec-1    mlx-spec one request after the other, with speculation (what a server that
               cannot batch speculation does);
   * spec-B    mlx-spec's BatchDecoder: all c rows verified together, each with its own draft.
+With `--plain` mlx-spec runs without a drafter: its batching alone against mlx-lm's.
 The three run interleaved in every round (the machine is shared and noisy; ratios taken in
 one run mean more than absolute times). Printed per cell: total tokens/s summed over streams
 (median over rounds), mean per-stream latency (seconds until a stream's last token), and
@@ -29,6 +30,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None, help="draft with this model (default: n-gram)")
+    p.add_argument("--plain", action="store_true",
+                   help="mlx-spec without a drafter: its batching against mlx-lm's, nothing else")
     p.add_argument("--suites", default="code-edit,chat")
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -41,14 +44,16 @@ def main() -> int:
     from mlx_spec.generate_cli import resolve_model
 
     model, tok = mlx_spec.load(resolve_model(args.model))
-    if args.draft_model:
+    if args.plain:
+        template = None
+    elif args.draft_model:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         template = mlx_spec.DraftModelDrafter(draft, draft_tok)
     else:
         template = mlx_spec.NGramDrafter()
     k = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
     methods = {"mlx-lm": run_mlx_lm, "spec-1": run_one_by_one, "spec-B": run_batched}
-    print(f"model {args.model}, drafter {type(template).__name__}, {args.max_tokens} tokens a stream, "
+    print(f"model {args.model}, drafter {type(template).__name__ if template else None}, {args.max_tokens} tokens a stream, "
           f"k {k}, {args.rounds} rounds")
     print(f"{'suite':10s} {'streams':>7s} " + " ".join(f"{m + ' tok/s':>13s} {'lat s':>6s}" for m in methods)
           + "  same  spec-B/best")
@@ -107,7 +112,7 @@ def run_batched(model, tok, prompts, template, max_tokens, k):
     import mlx_spec
 
     decoder = mlx_spec.BatchDecoder(model, tok, max_batch=len(prompts))
-    uids = [decoder.add(p, template.fork(), max_tokens=max_tokens, num_draft_tokens=k) for p in prompts]
+    uids = [decoder.add(p, template and template.fork(), max_tokens=max_tokens, num_draft_tokens=k) for p in prompts]
     tokens, done = {u: [] for u in uids}, {}
     while decoder.busy:
         for uid, block in decoder.step():

@@ -13,7 +13,9 @@ themselves ("causal-mask", `verify.ARRAY_MASKS = False`), the "before" of shared
 token is printed.
 
 GPU-like regime: a model whose arithmetic is negligible, so a step costs its fixed
-per-step work, as on a fast GPU. Printed: ms per step of mlx-lm's plain loop
+per-step work, as on a fast GPU. Its output layer emits only tokens that decode to whole
+text (`--byte-fragments`: any token, as a random model does; the streaming detokenizer
+then re-decodes unfinished bytes after each, which real text rarely makes it do). Printed: ms per step of mlx-lm's plain loop
 (`generate_step`, and `stream_generate`, which detokenizes and builds a response per
 token as mlx-spec does), mlx-spec's
 plain loop and an n-gram verify step (k drafted; also without piecewise evaluation, and
@@ -42,6 +44,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--gpu-like", action="store_true")
     p.add_argument("--policy", action="store_true")
+    p.add_argument("--byte-fragments", action="store_true",
+                   help="GPU-like: let the random model emit byte-fragment tokens too")
     p.add_argument("--pairs", type=int, default=0, metavar="N",
                    help="GPU-like: only N interleaved pairs of whole plain runs, mlx-spec vs mlx-lm")
     args = p.parse_args()
@@ -129,6 +133,16 @@ def gpu_like(args) -> int:
     model = llama.Model(margs)
     mx.eval(model.parameters())
     _, tok = mlx_spec.load(resolve_model("smollm2-135m-instruct"))  # a real 49152-token tokenizer
+    if not args.byte_fragments:
+        # A random model picks byte-fragment tokens (pieces of multi-byte UTF-8 characters) as
+        # often as any, and a streaming detokenizer re-decodes its unfinished bytes after each
+        # one: 0.76 ms a token here, a cost real text rarely has. Its output layer is limited
+        # to tokens that decode to whole text, as most of a real model's output does.
+        fragments = [t for t in range(margs.vocab_size) if "\ufffd" in tok.decode([t])]
+        w = model.lm_head.weight
+        w[mx.array(fragments)] = 0  # their logits are 0; whole-text ones' maximum is far above
+        model.lm_head.weight = w
+        mx.eval(model.parameters())
     prompt = [5, 6, 7, 8] * 8
     n = args.max_tokens or 200  # short runs, many rounds: interleaving beats a noisy machine
 
