@@ -91,6 +91,7 @@ class AdaptiveK:
     # misses on most chat steps); seen by a batch, which assumes each row drafts K otherwise
     offers: list[float] = field(default_factory=lambda: [1.0] * STATES)
     asked: list[int] = field(default_factory=lambda: [0] * STATES)
+    together: object = None  # rows whose policies share this key draft in one forward per depth
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)

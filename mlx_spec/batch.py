@@ -198,14 +198,15 @@ class BatchDecoder:
         return events
 
     def _draft_and_verify(self, rows: list[Row], choices) -> tuple[list, list]:
-        drafts = []
+        ks = []
         for row, (k, _) in zip(rows, choices):
             if row.req.max_tokens is not None:
                 k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
             row.commit_later()
-            row.seed_rng(2)
-            drafts.append(row.drafter.propose(row.y, k, row.req.sampling) if k > 0 else EMPTY)
-            row.offer = (k, drafts[-1].size)  # asked, proposed (before any trimming)
+            ks.append(k)
+        drafts = propose(rows, ks)
+        for row, k, d in zip(rows, ks, drafts):
+            row.offer = (k, d.size)  # asked, proposed (before any trimming)
         cache = self.batch if self.batch is not None else rows[0].cache
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
         if len(rows) > 1 and any(d.size for d in drafts):
@@ -268,6 +269,30 @@ class BatchDecoder:
         if row is not None:
             with mx.stream(generation_stream):
                 row.settle(seen)
+
+
+def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
+    """Each row's draft of k tokens (k = 0: none). Rows whose drafters can propose together
+    (the same `together()` key: forks of one draft model) do so, one forward per depth."""
+    groups: dict = {}
+    for i, (row, k) in enumerate(zip(rows, ks)):
+        key = k > 0 and len(rows) > 1 and getattr(row.drafter, "together", None)
+        groups.setdefault((key and key()) or ("alone", i), []).append(i)
+    drafts = [EMPTY] * len(rows)
+    for key, members in groups.items():
+        group = [rows[i] for i in members]
+        if len(members) > 1:
+            made = type(group[0].drafter).propose_together(
+                [r.drafter for r in group], [r.y for r in group], [ks[i] for i in members],
+                [r.req.sampling for r in group], [r.rng_key(2) for r in group])
+        elif ks[members[0]] > 0:
+            group[0].seed_rng(2)
+            made = [group[0].drafter.propose(group[0].y, ks[members[0]], group[0].req.sampling)]
+        else:
+            continue
+        for i, d in zip(members, made):
+            drafts[i] = d
+    return drafts
 
 
 def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
@@ -335,6 +360,8 @@ def _draft_lengths(model, row: Row, recurrent: bool):
     if req.num_draft_tokens == "auto":
         from .adaptive import policy_for
 
-        return policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
-                          seeded=req.seed is not None)
+        policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
+                            seeded=req.seed is not None)
+        policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
+        return policy
     return FixedK(min(req.num_draft_tokens, k_max))

@@ -144,7 +144,8 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
 
     The forward costs the same for every row up to the longest draft, so rows on
     `auto` all draft up to one K (each capped at its own k_max), chosen for
-    sum over rows of E_i(k_i) / (T(B rows x (K + 1)) + drafting), where E_i counts
+    sum over rows of E_i(k_i) / (T(B rows x (K + 1)) + drafting) (rows drafting together with
+    one draft model pay one forward per depth between them), where E_i counts
     how often row i's drafter proposes at all (`AdaptiveK.offered`); fixed-k rows
     keep their k. T comes from the calibrated curve, corrected by what batched
     steps of that shape really cost (`observe_batch`); a neighbouring K is tried
@@ -238,10 +239,23 @@ def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, dra
     width = 1 + max(ks)
     seconds = batch_seconds(model, auto.costs.verify, len(policies), width)
     if drafting:
-        seconds += sum(p.costs.draft_per_token * k for p, k in zip(policies, ks) if isinstance(p, AdaptiveK))
+        seconds += _drafting_seconds(policies, ks)
     # Seeded rows choose from the calibration and the tokens alone (a seeded run repeats).
     timed = costs is not None and all(p.timed for p in policies if isinstance(p, AdaptiveK))
     return seconds * (costs.correction(len(policies), width) if timed else 1.0)
+
+
+def _drafting_seconds(policies: list, ks: list[int]) -> float:
+    """The auto rows' drafting time: k draft forwards a row, except that rows drafting together
+    (the same `together` key: forks of one draft model) share one forward per depth, taken to
+    cost what one row's does (a few rows more are cheap while reading the weights dominates;
+    the online correction takes up the rest)."""
+    groups: dict = {}
+    for i, (p, k) in enumerate(zip(policies, ks)):
+        if isinstance(p, AdaptiveK) and k:
+            per, deep = groups.get(p.together or ("alone", i), (0.0, 0))
+            groups[p.together or ("alone", i)] = (max(per, p.costs.draft_per_token), max(deep, k))
+    return sum(per * deep for per, deep in groups.values())
 
 
 def _rate(model, policies: list, ks: list[int], costs: BatchCosts) -> float:

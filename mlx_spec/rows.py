@@ -77,8 +77,16 @@ class Row:
         """Seed MLX's random stream for this row's draws of this step: rows never share one."""
         if self.req.sampling.greedy:  # nothing is drawn
             return
+        mx.random.seed(self._rng_seed(phase, step))
+
+    def rng_key(self, phase: int) -> mx.array | None:
+        """The key `seed_rng(phase)` would start MLX's global stream from (None: greedy), for
+        draws made beside other rows' (`mx.random.split` gives the global stream's sequence)."""
+        return None if self.req.sampling.greedy else mx.random.key(self._rng_seed(phase, None))
+
+    def _rng_seed(self, phase: int, step: int | None) -> int:
         step = self.steps if step is None else step
-        mx.random.seed((self.seed * 4_000_037 + 4 * step + phase) % (1 << 63))
+        return (self.seed * 4_000_037 + 4 * step + phase) % (1 << 63)
 
     def read_taps(self, i: int, keep: int) -> dict | None:
         return None if self.taps is None else {t: h[:keep] for t, h in self.taps.read(i).items()}

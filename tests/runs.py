@@ -1,5 +1,6 @@
 """Helpers the drafter tests share: mlx-lm's own greedy output, a traced speculative run,
-and a NumPy replay of greedy block drafting (DFlash / DSpark style)."""
+a NumPy replay of greedy block drafting (DFlash / DSpark style), and a count of a model's
+forwards by batch size."""
 
 import mlx.core as mx
 import numpy as np
@@ -7,11 +8,28 @@ from mlx_lm.generate import generate_step
 
 import mlx_spec
 import tiny
+from mlx_spec.taps import SeeThrough, decoder_stack
 
 
 def mlx_lm_greedy(model, prompt, n) -> list[int]:
     """Plain greedy decoding by mlx-lm itself: what every drafter must reproduce."""
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+class _RowCount(SeeThrough):
+    """Records the batch size of every forward through the layer it wraps."""
+
+    def __call__(self, x, *args, **kwargs):
+        self.seen.append(x.shape[0])
+        return self.inner(x, *args, **kwargs)
+
+
+def counted(model) -> list[int]:
+    """Wrap `model`'s first decoder layer (the instance's) and return its list of batch sizes."""
+    stack = decoder_stack(model)
+    stack.layers[0] = _RowCount(stack.layers[0])
+    stack.layers[0].seen = []
+    return stack.layers[0].seen
 
 
 def spec_run(model, drafter, prompt, n, k, **kw):

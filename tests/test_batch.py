@@ -14,7 +14,7 @@ import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
 from mlx_spec.batch_cache import BatchCheckpoint, merge
-from runs import mlx_lm_greedy as reference
+from runs import counted, mlx_lm_greedy as reference
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8],
            [40, 41, 40, 41, 40]]
@@ -148,6 +148,7 @@ def test_sampled_rows_of_a_batch_have_the_targets_law():
     (positions 1-4 and neighbouring pairs) is the target's. A wrong rule fails it."""
     model = L.v8_llama()
     near = DraftModelDrafter(L.v8_llama(4.0))
+    seen = counted(near.model)  # the two draft-model rows draft together (test_batch_draft.py)
     cases = [([1, 2, 3, 1, 2], dict(temp=1.0), lambda: near.fork()),
              ([4, 5, 6], dict(temp=0.7, top_p=0.9), lambda: near.fork()),
              ([4, 5, 4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
@@ -160,6 +161,7 @@ def test_sampled_rows_of_a_batch_have_the_targets_law():
         if i < 2:  # the draft-model rows draft 3 deep on most first steps
             L.assert_deep(r, share=0.8, events=30)
         L.assert_lossless(r, joint)
+    assert seen.count(2) >= 800 * 3  # ... in forwards of both rows (3 deep at least once a run)
     with pytest.MonkeyPatch.context() as mp:
         L.use_rule(mp, L.wrong_rule(residual="p"))
         L.assert_caught(runs(500)[0], joints[0])

@@ -160,3 +160,21 @@ def test_a_new_process_starts_from_the_batch_costs_the_last_one_measured(synthet
     assert costs.correction(4, 2) == pytest.approx(3.0)
     assert costs.correction(4, 3) == pytest.approx(3.0)  # unobserved: the nearest width's
     assert costs.correction(2, 2) == 1.0  # nothing known with two rows
+
+
+@pytest.mark.parametrize("together", [True, False])
+def test_rows_drafting_together_pay_one_draft_forward_per_depth(synthetic_costs, together):
+    """Four draft-model rows whose drafts would be kept 90% of the time, drafting at half a
+    forward's cost a token: alone, each row's drafting costs more than the tokens it wins,
+    and the batch decodes plainly; together (one batched draft forward per depth for all
+    four) the same drafts pay and the batch drafts."""
+    costs = adaptive.CostModel([cost(n) for n in range(1, 17)], draft_per_token=0.5)
+    policies = []
+    for i in range(4):
+        p = adaptive.AdaptiveK(costs, 4, timed=False)
+        p.accept = [[0.9] * 4 for _ in p.accept]
+        p.seen = [[50] * 4 for _ in p.seen]
+        p.together = ("draft model", 1) if together else None
+        policies.append(p)
+    (K, _), *_ = batch_policy.choose_for_batch(tiny.llama_model(), policies)
+    assert (K > 0) == together

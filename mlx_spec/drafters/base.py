@@ -93,6 +93,11 @@ class Drafter(Protocol):
       proposal in between.
     * **`prefill` appends.** It adds the prompt to whatever the drafter holds: nothing
       after `bind`, or a state put back by `restore_state`.
+    * **Optional `together()` / `propose_together(...)`**: drafters that return the same
+      key from `together()` (None: this one cannot) may be asked, in a batch, to propose
+      for all their rows at once with `type(d).propose_together(drafters, ys, ks,
+      samplings, keys)`, which must leave each drafter exactly as its own `propose` would
+      have (the draft model: one batched forward per depth instead of one per row).
     * **Optional `save_state()` / `restore_state(state)`** (`SavesState`): an independent
       copy of everything committed, taken between steps, and its restoration. With
       them a drafter continues a conversation held in a reused prompt cache, reading
@@ -151,12 +156,13 @@ def _get(obj, path: str):
     return obj
 
 
-def pick(logits: mx.array, sampling: Sampling) -> tuple[mx.array, mx.array | None]:
-    """One draft token from logits [V]: argmax when greedy, else a draw from q (returned)."""
+def pick(logits: mx.array, sampling: Sampling, key: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+    """One draft token from logits [V]: argmax when greedy, else a draw from q (returned),
+    with `key` (None: MLX's global random stream)."""
     if sampling.greedy:
         return mx.argmax(logits), None
     q = sampling.probs(logits)
-    return mx.random.categorical(mx.log(q)), q
+    return mx.random.categorical(mx.log(q), key=key), q
 
 
 def pick_block(logits: mx.array, sampling: Sampling, sample_drafts: bool) -> Draft:

@@ -22,12 +22,13 @@ from typing import Sequence
 import logging
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
 from ..overlap import overlapped
 from ..sampling import Sampling
-from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, vocab_size
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, pick, vocab_size
 
 log = logging.getLogger("mlx_spec")
 
@@ -131,6 +132,64 @@ class DraftModelDrafter(SavesState):
         self._k, self._main = depth, mx.stack([t[0] for t in tops])
         parents = tuple(-1 if d == 0 else (d - 1) * b for d in range(depth) for _ in range(b))
         return Draft(mx.concatenate(tops), parents=parents)
+
+    def together(self):
+        """Rows whose drafters share a draft model and draft chains on plain KV caches propose
+        together in a batch (`propose_together`); None: this one proposes alone."""
+        if self.branches > 1 or self._grows or not all(type(c) is KVCache for c in self.cache):
+            return None
+        return ("draft model", id(self.model))
+
+    @staticmethod
+    def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],
+                         keys: list) -> list[Draft]:
+        """Each drafter's `propose(y, k, sampling)` in one batched forward per depth.
+
+        The rows' caches are merged for the step (mlx-lm's left-padded `BatchKVCache`); their
+        new inputs (queued tokens + y, ragged) go in right-padded, the padding then rolled
+        into the left padding; max(k) - 1 one-token forwards chain the drafts; each row's new
+        entries, up to its own k - 1 drafts, are written back into its own cache, which is
+        left as its own `propose` leaves it. `keys`: each row's random key (None: greedy);
+        split per draw as MLX's global stream is, so a seeded row draws what it would alone.
+        """
+        first, B = drafters[0], len(drafters)
+        fed = [d._pending + [y] for d, y in zip(drafters, ys)]
+        for d, f, k in zip(drafters, fed, ks):
+            d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k
+        sizes = [d.cache[0].offset for d in drafters]
+        L, keys = max(map(len, fed)), list(keys)
+        right = [L - len(f) for f in fed]
+        left = [max(sizes) - s + r for s, r in zip(sizes, right)]  # after the roll
+        batch = [BatchKVCache.merge(list(layer)) for layer in zip(*(d.cache for d in drafters))]
+        for c in batch:
+            c.prepare(right_padding=right)
+        inputs = mx.array([f + f[-1:] * r for f, r in zip(fed, right)], mx.uint32)
+        with overlapped(first.model):
+            logits = first.model(inputs, cache=batch)[mx.arange(B), mx.array([len(f) - 1 for f in fed])]
+        for c in batch:
+            c.finalize()
+        tokens, qs = [[] for _ in drafters], [[] for _ in drafters]
+        for depth in range(max(ks)):
+            logits = first._layout(logits)
+            for i, s in enumerate(samplings):
+                sub = None
+                if keys[i] is not None:
+                    keys[i], sub = mx.random.split(keys[i])
+                t, q = pick(logits[i], s, key=sub)
+                tokens[i].append(t.astype(mx.uint32))
+                qs[i] += [] if q is None else [q]
+            if depth < max(ks) - 1:
+                with overlapped(first.model):
+                    logits = first.model(mx.stack([t[-1] for t in tokens])[:, None], cache=batch)[:, -1]
+        end = batch[0].size()
+        for i, d in enumerate(drafters):
+            stop = end - (max(ks) - ks[i])  # this row fed its own k - 1 drafts, no more
+            for c, row in zip(batch, d.cache):
+                row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
+                row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
+                row.offset = stop - left[i]
+            d._main = mx.stack(tokens[i][: ks[i]])
+        return [Draft(d._main, mx.stack(q[: k]) if q else None) for d, q, k in zip(drafters, qs, ks)]
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         tokens = list(tokens)
