@@ -317,6 +317,15 @@ def _write_curve(path: Path, times: list[float]) -> None:
                     "for this process (set MLX_SPEC_CACHE to a writable folder)", path, e)
 
 
+_CALIBRATING = [0.0]  # seconds this process spent measuring cost curves
+
+
+def calibration_seconds() -> float:
+    """Seconds spent so far measuring cost curves: a step that had to calibrate first (a batch
+    met a new width) subtracts them from the time it learns from."""
+    return _CALIBRATING[0]
+
+
 def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeats: int = 3) -> list[float]:
     """Seconds of a forward over n = 1..n_max tokens after `context` cached tokens.
 
@@ -326,6 +335,8 @@ def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeat
     import time
 
     import mlx.core as mx
+
+    start = time.perf_counter()
 
     from .cache import make_cache, rollback
     from .drafters.base import vocab_size
@@ -343,6 +354,7 @@ def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeat
             rollback(cache, n)
     for i in range(1, n_max):
         best[i] = max(best[i], best[i - 1])
+    _CALIBRATING[0] += time.perf_counter() - start
     return best
 
 

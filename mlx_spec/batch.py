@@ -31,6 +31,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
+from .adaptive import calibration_seconds
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import plain_next
@@ -168,18 +169,19 @@ class BatchDecoder:
     def _verify(self) -> list[tuple[int, list[Response]]]:
         rows = self.active
         self.width = len(rows)
-        t0 = time.perf_counter()
+        t0, calibrated = time.perf_counter(), calibration_seconds()
         choices = choose_lengths(self.model, rows)
         if self.flight is not None and any(k for k, _ in choices):
             self._land()  # a probe after all: the plain step queued for this one is taken back
         try:
             with step_clock():  # the drafters' forwards and the verify: one busy span for MLX
-                drafts, verdicts = self._draft_and_verify(rows, choices)
+                drafts, verdicts, shift = self._draft_and_verify(rows, choices)
         except BaseException:
             for row in list(rows):  # a failed step ends every row in it
                 self._finish(row)
             raise
-        seconds = time.perf_counter() - t0
+        # This step's own time: not a calibration it waited for, not a plain step built ahead.
+        seconds = time.perf_counter() - t0 - (calibration_seconds() - calibrated) + shift
         if len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded rows: no timings
             from .batch_policy import observe_batch
 
@@ -213,10 +215,10 @@ class BatchDecoder:
             drafts = _trimmed(self.model, rows, drafts)
         if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
             ahead = all(k == 0 for k, _ in choices) and _plain_next(self.model, rows)
-            verdicts, self.flight = batch_plain.step(self.model, cache, rows, self.flight, ahead)
-            return drafts, verdicts
+            verdicts, self.flight, shift = batch_plain.step(self.model, cache, rows, self.flight, ahead)
+            return drafts, verdicts, shift
         self._land()
-        return drafts, verify.verify(self.model, cache, rows, drafts)
+        return drafts, verify.verify(self.model, cache, rows, drafts), 0.0
 
     def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
         """A tree is verified as one when this step can (one row, plain KV layers, no logits

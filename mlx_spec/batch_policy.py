@@ -21,15 +21,18 @@ import json
 import logging
 from pathlib import Path
 
+from . import adaptive
 from .adaptive import (
-    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _CURVES, _read_curve, _write_curve, cache_dir,
-    measure_verify_seconds, model_key, write_json,
+    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _read_curve, _write_curve, measure_verify_seconds,
+    model_key, write_json,
 )
 from .identity import IdentityMap
 
 log = logging.getLogger("mlx_spec")
 
 SAVE_EVERY = 32  # batch steps observed between saves of their costs
+COSTS_VERSION = 2  # of the kept batch costs (1: plain steps timed with the next one's launch)
+RATIO_BOUND = 4.0  # observed step times are taken within 4x of the calibrated curve's
 WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (rows x tokens)
 
 
@@ -38,8 +41,8 @@ def wide_verify_seconds(model) -> list[float]:
     is taken to be that of one row of B * T tokens (the matmuls dominate). Cached as the curve."""
     from .distributed import agreed_curve
 
-    key = model_key(model) + ":wide"
-    known = _CURVES.get(key) or _read_curve(cache_dir() / f"{key}.json")
+    key, curves = model_key(model) + ":wide", adaptive._CURVES  # (looked up late: tests swap them)
+    known = curves.get(key) or _read_curve(adaptive.cache_dir() / f"{key}.json")
     known = known if known is not None and len(known) == len(WIDE) else None
 
     def measure() -> list[float]:
@@ -47,15 +50,15 @@ def wide_verify_seconds(model) -> list[float]:
         every = measure_verify_seconds(model, WIDE[-1], repeats=1)
         return [every[w - 1] for w in WIDE]
 
-    if key in _CURVES:
-        return _CURVES[key]
+    if key in curves:
+        return curves[key]
     # A sharded target's ranks measure together and take rank 0's curve. They must all get
     # here at the same step: a sharded server calls this in its warm-up (engine.py), since
     # later calls depend on each rank's own timings.
     times = agreed_curve(model, known, measure)
     if times is not known:
-        _write_curve(cache_dir() / f"{key}.json", times)
-    _CURVES[key] = times
+        _write_curve(adaptive.cache_dir() / f"{key}.json", times)
+    curves[key] = times
     return times
 
 
@@ -89,8 +92,8 @@ class BatchCosts:
         self.wide: list[float] | None = None  # the model's `wide_verify_seconds`, once looked up
 
     def observe(self, rows: int, width: int, predicted: float, seconds: float) -> None:
-        r = self.ratio.get((rows, width))
-        self.ratio[(rows, width)] = seconds / predicted if r is None else r + EMA * (seconds / predicted - r)
+        r, seen = self.ratio.get((rows, width)), _bounded(seconds / predicted)
+        self.ratio[(rows, width)] = seen if r is None else r + EMA * (seen - r)
         self.unsaved += 1
         if self.unsaved >= SAVE_EVERY:
             self.save()
@@ -100,7 +103,8 @@ class BatchCosts:
         self.unsaved = 0
         if self.path is not None:
             try:
-                write_json(self.path, {"ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
+                write_json(self.path, {"version": COSTS_VERSION,
+                                       "ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
             except OSError:
                 pass
 
@@ -109,7 +113,9 @@ class BatchCosts:
         really costs on this machine (its overheads), not only the calibrated forwards."""
         try:
             data = json.loads(self.path.read_text())
-            self.ratio = {(int(r), int(w)): float(v) for r, w, v in data["ratio"] if float(v) > 0}
+            if data.get("version") != COSTS_VERSION:
+                return  # measured by an older mlx-spec, which timed plain steps built ahead twice
+            self.ratio = {(int(r), int(w)): _bounded(float(v)) for r, w, v in data["ratio"] if float(v) > 0}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: learned again
 
@@ -123,6 +129,13 @@ class BatchCosts:
         return self.ratio[(rows, min(near)[1])] if near else 1.0
 
 
+def _bounded(ratio: float) -> float:
+    """An observed-over-predicted ratio within [1/RATIO_BOUND, RATIO_BOUND]: one step stalled by
+    something else (a calibration, the machine swapping) must not price a shape out for good
+    (a shape priced out is never tried again, so its ratio would never come back)."""
+    return min(max(ratio, 1 / RATIO_BOUND), RATIO_BOUND)
+
+
 _BATCH = IdentityMap()  # model -> BatchCosts
 
 
@@ -130,8 +143,6 @@ def _costs(model) -> BatchCosts:
     """The model's batch costs, starting from what an earlier process kept (per model, dtype
     and device, next to the adaptive policies)."""
     def make() -> BatchCosts:
-        from . import adaptive
-
         costs = BatchCosts(adaptive.policy_dir() / f"{model_key(model)}-batch.json")
         costs.load()
         return costs

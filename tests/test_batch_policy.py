@@ -5,12 +5,16 @@ is accepted the batch probes rarely, and it drafts again once acceptance appears
 Costs are synthetic (a forward over w tokens costs 1 + 0.1 w) and every row is seeded, so
 the policies learn from tokens only: the step counts below are exact, not timings."""
 
+import time
+
 import mlx.core as mx
 import pytest
 
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, adaptive, batch_policy
+from mlx_spec.batch import FixedK
+from mlx_spec.taps import SeeThrough, decoder_stack
 from mlx_spec.drafters.base import EMPTY
 from runs import mlx_lm_greedy as reference
 
@@ -178,3 +182,63 @@ def test_rows_drafting_together_pay_one_draft_forward_per_depth(synthetic_costs,
         policies.append(p)
     (K, _), *_ = batch_policy.choose_for_batch(tiny.llama_model(), policies)
     assert (K > 0) == together
+
+
+class Slow(SeeThrough):
+    """Every forward through the wrapped layer costs `pause` seconds of host work more."""
+
+    pause = 0.05
+
+    def __call__(self, x, *args, **kwargs):
+        time.sleep(self.pause)
+        return self.inner(x, *args, **kwargs)
+
+
+def slowed(model, pause: float):
+    stack = decoder_stack(model)
+    stack.layers[0] = Slow(stack.layers[0])
+    stack.layers[0].pause = pause
+    return model
+
+
+def test_a_plain_step_built_ahead_is_timed_as_the_step_it_is(monkeypatch):
+    """A pipelined plain step builds the next step before reading its own tokens: that work
+    is the next step's cost. Timed as its own (the wrong rule), the first plain step after
+    a drafting step would cost two forwards, and parking would look dearer than it is."""
+    model = slowed(tiny.llama_model(), 0.05)  # every forward: 50 ms of host work to build
+    timed = []
+    monkeypatch.setattr(FixedK, "observe", lambda self, proposed, accepted, s: timed.append(s))
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=1)
+    decoder.add(PROMPTS[0], None, max_tokens=8)
+    walls = []
+    while decoder.busy:
+        tic = time.perf_counter()
+        for uid, block in decoder.step():
+            if block and block[-1].finish_reason is not None:
+                decoder.release(uid)
+        walls.append(time.perf_counter() - tic)
+    assert len(timed) == 7 and max(walls[1:]) < 0.09  # pipelined: one forward built a step
+    assert walls[0] >= 0.1  # the first step built two forwards: its own and the next one
+    assert all(0.05 <= s < 0.09 for s in timed)
+
+
+def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tmp_path):
+    """Four rows drafting need the batched verify curve (up to 136 tokens), measured on the
+    first batched step. Timed with it (the wrong rule), that step would
+    teach the batch that its shape costs many times what it does."""
+    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(adaptive, "_CURVES", {})
+    model = slowed(tiny.llama_model(hidden=48, heads=3, kv_heads=1), 0.004)
+    seen, real = [], batch_policy.observe_batch
+    monkeypatch.setattr(batch_policy, "observe_batch",
+                        lambda m, policies, ks, s: seen.append(s) or real(m, policies, ks, s))
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=4)
+    for p in PROMPTS:
+        decoder.add(p, mlx_spec.NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens="auto")
+    before = adaptive.calibration_seconds()
+    while decoder.busy:
+        for uid, block in decoder.step():
+            if block and block[-1].finish_reason is not None:
+                decoder.release(uid)
+    assert adaptive.calibration_seconds() - before > 0.5  # the wide curve was measured mid-run
+    assert seen and max(seen) < 0.3
