@@ -425,6 +425,9 @@ def weights_key(model) -> str:
 
 
 LEARNED = ("accept", "seen", "scale", "shape")
+# How step times were taken (1, unversioned: the first plain step after a drafting step was
+# timed with the next step's launch, making plain steps look dearer): older timings are dropped.
+TIMING_VERSION = 2
 LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
 
 
@@ -432,6 +435,7 @@ def save_learned(policy: AdaptiveK, path: Path) -> None:
     """Keep what `policy` learned for the next process (never raises: it is only a warm start)."""
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
+    data["timing"] = TIMING_VERSION
     try:
         write_json(path, data)
     except OSError:
@@ -449,8 +453,9 @@ def _load_learned(policy: AdaptiveK, path: Path) -> None:
         # and a policy that started parked would rarely look again within one request.
         policy.accept = [[max(float(a), PRIOR) for a in row] for row in accept]
         policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
-        policy.scale = data["scale"]
-        policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
+        if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
+            policy.scale = data["scale"]
+            policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
     except (OSError, ValueError, KeyError, TypeError):
         pass
 

@@ -175,14 +175,14 @@ class BatchDecoder:
             self._land()  # a probe after all: the plain step queued for this one is taken back
         try:
             with step_clock():  # the drafters' forwards and the verify: one busy span for MLX
-                drafts, verdicts, shift = self._draft_and_verify(rows, choices)
+                drafts, verdicts, timed = self._draft_and_verify(rows, choices)
         except BaseException:
             for row in list(rows):  # a failed step ends every row in it
                 self._finish(row)
             raise
-        # This step's own time: not a calibration it waited for, not a plain step built ahead.
-        seconds = time.perf_counter() - t0 - (calibration_seconds() - calibrated) + shift
-        if len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded rows: no timings
+        seconds = time.perf_counter() - t0 - (calibration_seconds() - calibrated)  # not a calibration's
+        learn = seconds if timed else None  # what the policies learn from (`batch_plain.step`)
+        if learn is not None and len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded: no timings
             from .batch_policy import observe_batch
 
             observe_batch(self.model, [r.lengths for r in rows], [d.size for d in drafts], seconds)
@@ -192,7 +192,7 @@ class BatchDecoder:
             if row.shape_pick is not None:
                 row.shapes.observe(row.shape_pick, v.n + 1, row.lengths.seconds(v.size))
                 row.shape_pick = None
-            events.append((row.uid, row.verified(v, k, gain, seconds if len(rows) == 1 else None)))
+            events.append((row.uid, row.verified(v, k, gain, learn if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds
             row.stats.batch_sizes.append(len(verdicts))
             if row.finish is not None:
@@ -215,10 +215,10 @@ class BatchDecoder:
             drafts = _trimmed(self.model, rows, drafts)
         if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
             ahead = all(k == 0 for k, _ in choices) and _plain_next(self.model, rows)
-            verdicts, self.flight, shift = batch_plain.step(self.model, cache, rows, self.flight, ahead)
-            return drafts, verdicts, shift
+            verdicts, self.flight, timed = batch_plain.step(self.model, cache, rows, self.flight, ahead)
+            return drafts, verdicts, timed
         self._land()
-        return drafts, verify.verify(self.model, cache, rows, drafts), 0.0
+        return drafts, verify.verify(self.model, cache, rows, drafts), True
 
     def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
         """A tree is verified as one when this step can (one row, plain KV layers, no logits

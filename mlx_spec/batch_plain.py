@@ -35,7 +35,6 @@ class Flight:
     logits: mx.array  # [B, V]
     ckpt: BatchCheckpoint | Checkpoint  # the cache before it (a single row's: Checkpoint)
     queued: float  # when MLX had it (perf_counter)
-    built: float = 0.0  # seconds spent in `launch` (on a CPU, evaluating much of it)
 
 
 def eligible(row) -> bool:
@@ -47,7 +46,6 @@ def eligible(row) -> bool:
 def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flight:
     """Queue one plain step of every row on `inputs` [B] (lazy or not): the row's step
     `steps + later` (its random stream is that step's, as a verify step's would be)."""
-    start = time.perf_counter()
     ckpt = checkpoint(model, cache, len(rows))
     # Nothing in flight (later = 0): MLX is idle, so it evaluates the forward in pieces while
     # the rest is built; queued behind a step in flight, it is built whole (measured faster).
@@ -65,23 +63,24 @@ def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flig
     mx.async_eval(tokens)
     for row in rows:
         row.consumed += 1
-    return Flight(tuple(r.uid for r in rows), tokens, logits, ckpt, queued, time.perf_counter() - start)
+    return Flight(tuple(r.uid for r in rows), tokens, logits, ckpt, queued)
 
 
-def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> tuple[list, Flight | None, float]:
-    """This step's verdicts (one token per row), when `ahead` the next step in flight, and the
-    seconds to move to this step's timing from its neighbours': the launch of a step built
-    ahead is that step's cost, not the cost of the step that built it (on MLX's CPU backend
-    queueing a forward evaluates much of it), so a plain step is never timed as two."""
-    start, carried = time.perf_counter(), 0.0
+def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> tuple[list, Flight | None, bool]:
+    """This step's verdicts (one token per row), when `ahead` the next step in flight, and
+    whether its time is a plain step's cost: only a step that launched one forward (its own,
+    or the next while its own was in flight) is. One that launched two, or none, is not
+    timed: where a launch's time goes depends on the backend (on MLX's CPU backend queueing
+    a forward waits for the one queued before it; on a GPU it is only the graph's build)."""
+    start, launched = time.perf_counter(), 0
     if flight is None or flight.uids != tuple(r.uid for r in rows):
         if flight is not None:
             land(flight, rows)
         flight = launch(model, cache, rows, mx.array([r.y for r in rows], mx.uint32), 0)
-    else:
-        carried = flight.built  # launched (and timed) in the step before
+        launched += 1
     room = all(r.req.max_tokens is None or r.req.max_tokens - len(r.out) > 1 for r in rows)
     nxt = launch(model, cache, rows, flight.tokens, 1) if ahead and room else None
+    launched += nxt is not None
     tic = max(start, flight.queued)
     tokens = flight.tokens.tolist()  # the one sync
     wait = time.perf_counter() - tic
@@ -90,7 +89,7 @@ def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> 
         row.sync_seconds += wait
         row.last = None  # a one-token block: nothing of it is ever taken back
         verdicts.append(Verdict([], 0, tokens[i], None, log_softmax(flight.logits[i : i + 1]), 0))
-    return verdicts, nxt, carried - (nxt.built if nxt is not None else 0.0)
+    return verdicts, nxt, launched == 1
 
 
 def land(flight: Flight | None, rows: list) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from . import adaptive
 from .adaptive import (
-    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, _read_curve, _write_curve, measure_verify_seconds,
+    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, _read_curve, _write_curve, measure_verify_seconds,
     model_key, write_json,
 )
 from .identity import IdentityMap
@@ -31,7 +31,6 @@ from .identity import IdentityMap
 log = logging.getLogger("mlx_spec")
 
 SAVE_EVERY = 32  # batch steps observed between saves of their costs
-COSTS_VERSION = 2  # of the kept batch costs (1: plain steps timed with the next one's launch)
 RATIO_BOUND = 4.0  # observed step times are taken within 4x of the calibrated curve's
 WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (rows x tokens)
 
@@ -103,7 +102,7 @@ class BatchCosts:
         self.unsaved = 0
         if self.path is not None:
             try:
-                write_json(self.path, {"version": COSTS_VERSION,
+                write_json(self.path, {"timing": TIMING_VERSION,
                                        "ratio": [[r, w, v] for (r, w), v in self.ratio.items()]})
             except OSError:
                 pass
@@ -113,8 +112,8 @@ class BatchCosts:
         really costs on this machine (its overheads), not only the calibrated forwards."""
         try:
             data = json.loads(self.path.read_text())
-            if data.get("version") != COSTS_VERSION:
-                return  # measured by an older mlx-spec, which timed plain steps built ahead twice
+            if data.get("timing") != TIMING_VERSION:
+                return  # timed by an older mlx-spec (`adaptive.TIMING_VERSION`)
             self.ratio = {(int(r), int(w)): _bounded(float(v)) for r, w, v in data["ratio"] if float(v) > 0}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: learned again

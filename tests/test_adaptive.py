@@ -1,6 +1,8 @@
 """Adaptive draft length: the policy's choices on synthetic costs, its calibration cache,
 and losslessness whatever k it picks."""
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -384,6 +386,28 @@ def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start(monkeypatch
     loaded = adaptive.policy_for(model, drafter, 16, sampling=mlx_spec.Sampling())
     assert loaded.accept == [[adaptive.PRIOR] * 16 for _ in loaded.accept]
     assert loaded.choose()[0] > 0  # drafts from the first step, as a cold start does
+
+
+def test_step_timings_kept_by_an_older_version_are_dropped(monkeypatch):
+    """Acceptance carries over; step-time shapes only when timed the way this version times
+    steps (older ones timed a plain step with the next step's launch)."""
+    monkeypatch.setattr(adaptive, "verify_seconds",
+                        lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
+    model = v8_successor_llama()
+    drafter = mlx_spec.NGramDrafter()
+    path = adaptive.policy_file(model, drafter, mlx_spec.Sampling())
+    old = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+    old.accept = [[0.9] * 16 for _ in old.accept]
+    old.scale, old.shape = 1.5, {0: 3.0, 1: 0.5}
+    for timing in (adaptive.TIMING_VERSION, None):
+        adaptive.save_learned(old, path)
+        if timing is None:  # as an older version wrote it
+            data = json.loads(path.read_text())
+            del data["timing"]
+            path.write_text(json.dumps(data))
+        loaded = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+        assert loaded.accept == old.accept
+        assert (loaded.scale, loaded.shape) == ((1.5, {0: 3.0, 1: 0.5}) if timing else (None, {}))
 
 
 def _rates_by_pairs(policy):
