@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import platform
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -193,8 +194,14 @@ class AdaptiveK:
         return 1.0 + self.offers[self.state] * (self.expected_tokens(k) - 1.0)
 
     def parked_next(self) -> bool:
-        """Whether the next `choose` stays parked if nothing changes (no probe due by then)."""
-        return self.parked + 1 < self.probe_every
+        """Whether the next `choose` stays parked if this step is plain: no probe due by then,
+        and k = 0 still best in the state a plain step leaves (0), whose estimates may differ
+        from this state's (a plain step queued ahead and then taken back wastes a forward)."""
+        if self.parked + 1 >= self.probe_every:
+            return False
+        with after_plain([self]):
+            rates = self.rates()
+        return max(range(len(rates)), key=rates.__getitem__) == 0
 
     def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
         """A verify step with `proposed` drafted tokens kept `accepted` of them."""
@@ -218,6 +225,19 @@ class AdaptiveK:
             self.scale = ratio / shape if self.scale is None else self.scale + 2 * EMA * (ratio / shape - self.scale)
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
         self.state = int(proposed > 0 and accepted > 0)
+
+
+@contextmanager
+def after_plain(policies: list):
+    """The policies as a plain step leaves them (state 0: no draft kept), to look one step ahead."""
+    saved = [p.state for p in policies]
+    for p in policies:
+        p.state = 0
+    try:
+        yield
+    finally:
+        for p, state in zip(policies, saved):
+            p.state = state
 
 
 def cache_dir() -> Path:

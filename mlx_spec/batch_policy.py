@@ -23,8 +23,8 @@ from pathlib import Path
 
 from . import adaptive
 from .adaptive import (
-    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, _read_curve, _write_curve, measure_verify_seconds,
-    model_key, write_json,
+    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, _read_curve, _write_curve,
+    after_plain, measure_verify_seconds, model_key, write_json,
 )
 from .identity import IdentityMap
 
@@ -191,12 +191,18 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
 
 
 def plain_next(model, policies: list) -> bool:
-    """Whether the batch's next step will be plain if nothing changes (so it can be queued
-    ahead): no row drafts, or drafting is parked with no probe due by then."""
-    if not any(isinstance(p, AdaptiveK) for p in policies):
+    """Whether the batch's next step will be plain if this one is (so it can be queued ahead):
+    no row drafts, or drafting is parked with no probe due by then and still parked in the
+    state a plain step leaves the rows in."""
+    auto = [p for p in policies if isinstance(p, AdaptiveK)]
+    if not auto:
         return True
     costs = _BATCH.get(model)
-    return costs is None or costs.parked + 1 < costs.probe_every
+    if costs is None or costs.parked + 1 >= costs.probe_every:
+        return costs is None
+    with after_plain(auto):  # K = 0 still best once this plain step has put every row in state 0
+        rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
+    return max(range(len(rates)), key=rates.__getitem__) == 0
 
 
 def trim_drafts(model, policies: list, drafts: list) -> list[int]:
@@ -263,8 +269,9 @@ def _drafting_seconds(policies: list, ks: list[int]) -> float:
     groups: dict = {}
     for i, (p, k) in enumerate(zip(policies, ks)):
         if isinstance(p, AdaptiveK) and k:
-            per, deep = groups.get(p.together or ("alone", i), (0.0, 0))
-            groups[p.together or ("alone", i)] = (max(per, p.costs.draft_per_token), max(deep, k))
+            key = p.together or ("alone", i)
+            per, deep = groups.get(key, (0.0, 0))
+            groups[key] = (max(per, p.costs.draft_per_token), max(deep, k))
     return sum(per * deep for per, deep in groups.values())
 
 

@@ -34,6 +34,22 @@ def test_parks_when_nothing_is_accepted():
     assert ks == [0, 0, 0]
 
 
+@pytest.mark.parametrize("after_plain_drafts", [True, False])
+def test_a_plain_step_is_queued_ahead_only_when_the_next_choice_stays_plain(after_plain_drafts):
+    """After a step that kept its first draft (state 1) the policy may park where, after a
+    plain step (state 0), it drafts: then the plain step must not be queued ahead (it would
+    be taken back, a forward wasted). `parked_next` looks at the state a plain step leaves."""
+    policy = AdaptiveK(linear_costs(0.5, draft=0.3), k_max=4)
+    good, bad = [0.95] * 4, [0.05] * 4
+    policy.accept = [good if after_plain_drafts else bad, bad]  # [state 0, state 1]
+    policy.seen = [[50] * 4, [50] * 4]
+    policy.state = 1
+    assert policy.choose()[0] == 0 and policy.state == 1  # parked in state 1
+    assert policy.parked_next() is (not after_plain_drafts)
+    policy.observe(0, 0)  # the plain step
+    assert (policy.choose()[0] > 0) is after_plain_drafts  # what parked_next foresaw
+
+
 def test_drafts_long_when_everything_is_accepted_and_verify_is_cheap():
     policy = AdaptiveK(linear_costs(0.02), k_max=16)
     feed(policy, 30, accept_len=16)
