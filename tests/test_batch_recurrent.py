@@ -209,8 +209,8 @@ def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
     def runs(n):
         return batched_runs(model, cases, n)
 
-    for r, joint in zip(runs(800), joints):
+    for r, joint in zip(runs(600), joints):
         L.assert_lossless(r, joint)
     with pytest.MonkeyPatch.context() as mp:
         L.use_rule(mp, L.wrong_rule(residual="p"))
-        L.assert_caught(runs(300)[0], joints[0])  # caught with p < 1e-14 from 200 runs
+        L.assert_caught(runs(200)[0], joints[0])  # caught with p < 1e-14 from 200 runs
