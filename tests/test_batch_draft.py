@@ -29,10 +29,12 @@ def drafters_with_history(target, draft, n: int) -> list[DraftModelDrafter]:
     return out
 
 
-def test_drafting_together_leaves_each_drafter_as_its_own_proposal_would():
+@pytest.mark.parametrize("mixed", [True, False])  # False: all greedy (one argmax for the rows)
+def test_drafting_together_leaves_each_drafter_as_its_own_proposal_would(mixed):
     target, draft = tiny.llama_model(), tiny.llama_model(seed=9, layers=2)
     together, alone = drafters_with_history(target, draft, 4), drafters_with_history(target, draft, 4)
     samplings = [Sampling(), Sampling(temp=0.8), Sampling(temp=1.2, top_p=0.9), Sampling()]
+    samplings = samplings if mixed else [Sampling()] * 4
     for step, (ks, kept) in enumerate([([3, 1, 4, 2], [2, 1, 0, 2]), ([2, 4, 3, 1], [2, 4, 3, 0])]):
         ys = [11 + step, 23, 31, 47]
         seeds = [7 * step + i for i in range(4)]
@@ -71,6 +73,17 @@ def test_a_batch_of_draft_model_rows_drafts_once_per_depth_and_keeps_every_rows_
     # k forwards a step (plus each row's prefill), not k per row.
     steps = max(len(s.batch_sizes) for s in res.stats)
     assert sum(1 for b in seen if b == 1) <= 3 + 3 * (steps - len(together) // 3)
+
+
+def test_requests_given_draft_model_draft_together():
+    """`draft_model=` (mlx-lm's keyword) gives each request a drafter of that model: together."""
+    model, draft = tiny.llama_model(), tiny.llama_model(seed=9, layers=2)
+    seen = counted(draft)
+    res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS[:3], draft_model=draft,
+                                  max_tokens=16, num_draft_tokens=3)
+    for prompt, got in zip(PROMPTS, res.tokens):
+        assert got == reference(model, prompt, 16)
+    assert seen.count(3) >= 3 * 3
 
 
 def test_a_seeded_row_samples_the_same_alone_or_drafting_together():

@@ -168,19 +168,25 @@ class DraftModelDrafter(SavesState):
             logits = first.model(inputs, cache=batch)[mx.arange(B), mx.array([len(f) - 1 for f in fed])]
         for c in batch:
             c.finalize()
-        tokens, qs = [[] for _ in drafters], [[] for _ in drafters]
+        steps, qs = [], [[] for _ in drafters]  # steps: each depth's [B] tokens
         for depth in range(max(ks)):
             logits = first._layout(logits)
-            for i, s in enumerate(samplings):
-                sub = None
-                if keys[i] is not None:
-                    keys[i], sub = mx.random.split(keys[i])
-                t, q = pick(logits[i], s, key=sub)
-                tokens[i].append(t.astype(mx.uint32))
-                qs[i] += [] if q is None else [q]
+            if all(s.greedy for s in samplings):  # one argmax over the rows
+                steps.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
+            else:
+                drawn = []
+                for i, s in enumerate(samplings):
+                    sub = None
+                    if keys[i] is not None:
+                        keys[i], sub = mx.random.split(keys[i])
+                    t, q = pick(logits[i], s, key=sub)
+                    drawn.append(t.astype(mx.uint32))
+                    qs[i] += [] if q is None else [q]
+                steps.append(mx.stack(drawn))
             if depth < max(ks) - 1:
                 with overlapped(first.model):
-                    logits = first.model(mx.stack([t[-1] for t in tokens])[:, None], cache=batch)[:, -1]
+                    logits = first.model(steps[-1][:, None], cache=batch)[:, -1]
+        tokens = mx.stack(steps, axis=1)  # [B, max(k)]
         end = batch[0].size()
         for i, d in enumerate(drafters):
             stop = end - (max(ks) - ks[i])  # this row fed its own k - 1 drafts, no more
@@ -188,7 +194,7 @@ class DraftModelDrafter(SavesState):
                 row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
                 row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
                 row.offset = stop - left[i]
-            d._main = mx.stack(tokens[i][: ks[i]])
+            d._main = tokens[i, : ks[i]]
         return [Draft(d._main, mx.stack(q[: k]) if q else None) for d, q, k in zip(drafters, qs, ks)]
 
     def commit(self, tokens: Sequence[int], taps) -> None:
