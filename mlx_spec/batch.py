@@ -12,10 +12,11 @@ Each step: at most one prefill chunk of a newly added row (a long prompt never
 stalls the others for long), then one verify forward over every decoding row,
 each with its own draft (its own drafter, length, sampling and seed), and each
 row keeps exactly its own accepted prefix (`mlx_spec.batch_cache`). A single
-row is the batch of one: its own cache, any cache kind. Plain KV, sliding-window
-and recurrent layers merge into a batch; rows whose caches cannot be merged
-(`kv_bits`, `max_kv_size`, DeepSeek-V4.1's layer cache) decode one at a time, in
-turn with the batch. `stream_generate` is this loop with one row.
+row is the batch of one: its own cache, any cache kind. Plain and quantized KV,
+sliding-window and recurrent layers merge into a batch of rows whose caches are of
+one kind (`batch_cache.kind`; a `kv_bits` row once its cache is quantized, or when
+it cannot get long enough to be); rows whose caches cannot be merged (`max_kv_size`,
+DeepSeek-V4.1's layer cache) decode one at a time. `stream_generate` is this loop with one row.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class BatchDecoder:
         self.active: list[Row] = []  # decoding; merged into `self.batch` when more than one
         self.done: dict = {}  # finished rows the caller has not released yet
         self.batch: list | None = None
+        self.kind = None  # the cache kind of the batch's rows (`batch_cache.kind`)
         self.flight = None  # a batched plain step in flight (batch_plain), built ahead
         self._uids = itertools.count()
         self._said_solo = self._said_chain = False
@@ -138,16 +140,21 @@ class BatchDecoder:
     def _room_for(self, row: Row) -> bool:
         if not self.active:
             return True
-        solo = not self._batchable(row) or not self._batchable(self.active[0])
+        mine = self._kind(row)
+        solo = mine is None or mine != self._kind(self.active[0])
         if solo and not self._said_solo:
             self._said_solo = True
-            log.info("this model or request cannot decode in a batch (its cache is quantized, "
-                     "keeps sink positions, or is not KV, window or recurrent); "
-                     "requests are served one at a time")
+            log.info("these requests cannot decode in one batch (a cache that keeps sink positions, "
+                     "is not KV, window or recurrent, will be quantized later, or differs from the "
+                     "batch's: kv_bits, max_kv_size); they are served one at a time")
         return not solo and len(self.active) < self.max_batch
 
-    def _batchable(self, row: Row) -> bool:
-        return row.cache is None or (row.req.kv_bits is None and batch_cache.batchable(row.cache))
+    def _kind(self, row: Row):
+        """The kind of cache `row` would bring into a batch (None: it cannot join one)."""
+        if row.cache is None:  # merged: the batch's
+            return self.kind
+        ahead = max(0, len(row.req.prompt) - row.consumed)  # a waiting row's prompt still to go in
+        return batch_cache.kind(row.cache, row.req, ahead, len(row.out))
 
     def _land(self) -> None:
         """Take back a batched plain step in flight: the batch is about to change."""
@@ -158,7 +165,10 @@ class BatchDecoder:
         row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
         self._land()
         if self.active:
+            for r in (row, self.active[0]) if self.batch is None else (row,):
+                r.req.quantize_cache(r.cache)  # what its next step alone would do first
             if self.batch is None:
+                self.kind = self._kind(row)
                 self.batch = batch_cache.merge([self.active[0].cache, row.cache])
                 self.active[0].cache = None
             else:

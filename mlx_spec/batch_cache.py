@@ -22,8 +22,10 @@ into the batch. Their KV layers keep the block's own entries for the kept
 positions (a recurrent layer is causal: what it passed up at a kept position
 did not depend on the rejected ones). Rows that kept everything need nothing.
 
-Quantized KV (`kv_bits`: mlx-lm has no batch form of `QuantizedKVCache`) and
-windows with sink positions (`max_kv_size`) decode one row at a time.
+Quantized KV layers (`kv_bits`) merge into `BatchQuantizedKVCache`
+(`mlx_spec.batch_quantized`) once a row's cache is quantized, with rows of the same
+bits and group size; a row can only join a batch while its cache kind is settled
+(`kind`). Windows with sink positions (`max_kv_size`) decode one row at a time.
 """
 
 from __future__ import annotations
@@ -31,22 +33,51 @@ from __future__ import annotations
 import copy
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, QuantizedKVCache
 
+from .batch_quantized import BatchQuantizedKVCache
 from .batch_window import BatchWindowKVCache
 from .cache import Checkpoint, WindowKVCache
 
 
-def _mergeable(c) -> bool:
-    return type(c) in (KVCache, ArraysCache) or (type(c) is WindowKVCache and c.keep == 0)
+def _layer_kind(c):
+    """What a layer must share with the same layer of another row to merge (None: cannot)."""
+    if type(c) in (KVCache, ArraysCache):
+        return type(c).__name__
+    if type(c) is QuantizedKVCache:
+        return ("quantized", c.bits, c.group_size)
+    if type(c) is WindowKVCache and c.keep == 0:
+        return ("window", c.window)
+    return None
 
 
-def batchable(cache: list) -> bool:
-    """Whether rows with this cache can be merged into a batch."""
-    return bool(cache) and all(_mergeable(c) for c in cache)
+def settled(req, cache: list, ahead: int = 0, emitted: int = 0) -> bool:
+    """Whether no `kv_bits` conversion is still to come: a request's KV layers become
+    quantized once the cache holds `quantized_kv_start` positions (mlx-lm's rule, checked
+    before each step). `ahead`: prompt tokens still to go in; `emitted`: tokens so far."""
+    if req.kv_bits is None:
+        return True
+    plain = [c for c in cache if type(c) is KVCache]
+    return not plain or (req.max_tokens is not None and
+                         plain[0].offset + ahead + req.max_tokens - emitted < req.quantized_kv_start)
+
+
+def kind(cache: list, req=None, ahead: int = 0, emitted: int = 0):
+    """Rows of one kind merge into one batch; None: this cache cannot. With `req`, the kind
+    the cache has from its first decoding step on (its prompt in, `quantize` applied) for
+    the rest of the request, or None while a later `kv_bits` conversion could change it."""
+    if req is not None and not settled(req, cache, ahead, emitted):
+        if next(c for c in cache if type(c) is KVCache).offset + ahead < req.quantized_kv_start:
+            return None  # quantized later, in the middle of decoding
+        cache = [QuantizedKVCache(req.kv_group_size, req.kv_bits) if type(c) is KVCache else c
+                 for c in cache]
+    kinds = tuple(_layer_kind(c) for c in cache)
+    return kinds if cache and None not in kinds else None
 
 
 def _merge_layer(layer: list):
+    if isinstance(layer[0], QuantizedKVCache):
+        return BatchQuantizedKVCache.merge(layer)
     if isinstance(layer[0], WindowKVCache):
         return BatchWindowKVCache.merge(layer)
     if isinstance(layer[0], ArraysCache):
@@ -135,8 +166,8 @@ class BatchCheckpoint:
                 s.lengths = mx.array([len(t) for t in tokens])  # stop each row at its own end
             else:
                 idx, offset, left = self.saved[j]
-                s = copy.copy(c)  # same class and settings (a window's size)
-                s.keys, s.values = c.keys[pick, :, :idx], c.values[pick, :, :idx]
+                s = copy.copy(c)  # same class and settings (a window's size, bits)
+                s.keys, s.values = (None if t is None else _rows(t, pick, idx) for t in (c.keys, c.values))
                 s._idx, s.offset, s.left_padding, s._right_padding = idx, offset[pick], left[pick], None
             sub.append(s)
         width = max(len(t) for t in tokens)
@@ -153,6 +184,13 @@ class BatchCheckpoint:
     def for_row(self, i: int, row) -> "RowCheckpoint | None":
         """Row i's step as a solo checkpoint (None without recurrent layers: its layers trim)."""
         return RowCheckpoint(self, i, row) if self.states else None
+
+
+def _rows(held, pick, width):
+    """Rows `pick` of a layer's keys or values (an array, or a quantized triple), `width` columns."""
+    if isinstance(held, tuple):
+        return tuple(a[pick, :, :width] for a in held)
+    return held[pick, :, :width]
 
 
 class RowCheckpoint:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .batch_cache import BatchCheckpoint, checkpoint
+from .batch_cache import BatchCheckpoint, checkpoint, settled
 from .cache import Checkpoint
 from .overlap import overlapped
 from .verify import Verdict, log_softmax
@@ -38,9 +38,12 @@ class Flight:
 
 
 def eligible(row) -> bool:
+    """Whether `row`'s plain steps can be queued ahead: no processors reading its tokens, no
+    taps, and no `kv_bits` quantization still to come (`batch_cache.settled`: a row alone is
+    checked before each step; rows merged into a batch are settled)."""
     drafter = row.drafter
-    return (not row.req.logits_processors and row.req.kv_bits is None
-            and (drafter is None or not drafter.taps))
+    return (not row.req.logits_processors and (drafter is None or not drafter.taps)
+            and (row.cache is None or settled(row.req, row.cache, 0, len(row.out))))
 
 
 def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flight:

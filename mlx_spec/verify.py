@@ -180,7 +180,7 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
     """One target forward over every row's chain, or one row's tree; each keeps what it accepted."""
     single = len(rows) == 1
     block = Tree(cache, drafts[0]) if single and drafts[0].parents is not None else Chain()
-    if single and block.depth is None:  # (rows with kv_bits never batch) between steps, never inside a checkpoint
+    if single and block.depth is None:  # (rows in a batch are settled: batch_cache.kind) between steps, never inside a checkpoint
         rows[0].req.quantize_cache(cache)
     T = 1 + max(d.size for d in drafts)
     ckpt = checkpoint(model, cache, len(rows))

@@ -128,20 +128,6 @@ def test_a_seeded_row_samples_the_same_alone_or_in_a_batch():
     assert out[uid] == solo and max(widths) == 3
 
 
-def test_caches_that_cannot_merge_are_served_one_at_a_time():
-    """Quantized KV (`kv_bits`): mlx-lm has no batch form of QuantizedKVCache. (Sliding
-    windows and recurrent layers batch: test_batch_window.py, test_batch_recurrent.py.)"""
-    model = tiny.llama_model(hidden=128, heads=4, kv_heads=2)
-    kw = dict(max_tokens=20, kv_bits=8, kv_group_size=32, quantized_kv_start=0)
-    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=4)
-    uids = [decoder.add(p, NGramDrafter(min_n=1), **kw) for p in PROMPTS[:3]]
-    out, widths = drain(decoder)
-    assert max(widths) == 1
-    for uid, p in zip(uids, PROMPTS):
-        solo = mlx_spec.stream_generate(model, tiny.tokenizer(), p, NGramDrafter(min_n=1), **kw)
-        assert out[uid] == [r.token for r in solo]
-
-
 @pytest.mark.slow
 def test_sampled_rows_of_a_batch_have_the_targets_law():
     """Rows of different prompts, drafters and temperatures in one batch; each row's law

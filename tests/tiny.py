@@ -94,7 +94,7 @@ def gemma3_model(seed=0, layers=4, window=8, vocab=VOCAB):
     return model
 
 
-def qwen3_5_model(seed=0, layers=4, vocab=VOCAB):
+def qwen3_5_model(seed=0, layers=4, vocab=VOCAB, head_dim=16):
     """Hybrid Qwen3.5 text model: GatedDeltaNet (ArraysCache) + full-attention layers."""
     from mlx_lm.models import qwen3_5
 
@@ -102,7 +102,7 @@ def qwen3_5_model(seed=0, layers=4, vocab=VOCAB):
     text = dict(
         model_type="qwen3_5_text", hidden_size=64, intermediate_size=128,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, vocab_size=vocab, linear_num_value_heads=4, linear_num_key_heads=2,
+        head_dim=head_dim, vocab_size=vocab, linear_num_value_heads=4, linear_num_key_heads=2,
         linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
         full_attention_interval=2, tie_word_embeddings=False, rms_norm_eps=1e-6,
     )
