@@ -13,10 +13,11 @@ stalls the others for long), then one verify forward over every decoding row,
 each with its own draft (its own drafter, length, sampling and seed), and each
 row keeps exactly its own accepted prefix (`mlx_spec.batch_cache`). A single
 row is the batch of one: its own cache, any cache kind. Plain and quantized KV,
-sliding-window and recurrent layers merge into a batch of rows whose caches are of
-one kind (`batch_cache.kind`; a `kv_bits` row once its cache is quantized, or when
-it cannot get long enough to be); rows whose caches cannot be merged (`max_kv_size`,
-DeepSeek-V4.1's layer cache) decode one at a time. `stream_generate` is this loop with one row.
+sliding-window (with sink positions too) and recurrent layers merge into a batch of
+rows whose caches are of one kind (`batch_cache.kind`; a `kv_bits` row once its cache
+is quantized, or when it cannot get long enough to be); a row of another kind waits
+for the batch in front of it, and caches that cannot be merged (DeepSeek-V4.1's layer
+cache) decode one at a time. `stream_generate` is this loop with one row.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class BatchDecoder:
         solo = mine is None or mine != self._kind(self.active[0])
         if solo and not self._said_solo:
             self._said_solo = True
-            log.info("these requests cannot decode in one batch (a cache that keeps sink positions, "
-                     "is not KV, window or recurrent, will be quantized later, or differs from the "
-                     "batch's: kv_bits, max_kv_size); they are served one at a time")
+            log.info("these requests cannot decode in one batch (a cache that is not KV, window "
+                     "or recurrent, will be quantized later, or differs from the batch's: kv_bits, "
+                     "max_kv_size); a request waits for the batch in front of it")
         return not solo and len(self.active) < self.max_batch
 
     def _kind(self, row: Row):

@@ -1,12 +1,13 @@
 """Several rows' target caches as one batch, and per-row (ragged) roll-back.
 
 Rows decode in one forward when every layer of their caches is a plain
-`KVCache`, a sliding-window `WindowKVCache` without sink positions, or a
-recurrent `ArraysCache` (GatedDeltaNet, Mamba, short convolutions): KV layers
-merge into mlx-lm's `BatchKVCache` (left-padded, one write index, a position
-offset per row), window layers into `BatchWindowKVCache` (`mlx_spec.batch_window`:
-the same layout, a windowed mask), recurrent layers into one `ArraysCache` whose
-state arrays have a row per request.
+`KVCache`, a `QuantizedKVCache`, a sliding-window `WindowKVCache` (with or without
+sink positions), or a recurrent `ArraysCache` (GatedDeltaNet, Mamba, short
+convolutions), and the rows' layers are of one kind (`kind`): KV layers merge into
+mlx-lm's `BatchKVCache` (left-padded, one write index, a position offset per row),
+window layers into `BatchWindowKVCache` (`mlx_spec.batch_window`: the same layout,
+a windowed mask), recurrent layers into one `ArraysCache` whose state arrays have a
+row per request.
 
 A verify step appends T = 1 + the longest draft to every row; row i keeps
 `kept[i]` of them. `BatchCheckpoint.keep` trims what every row rejected and
@@ -25,7 +26,7 @@ did not depend on the rejected ones). Rows that kept everything need nothing.
 Quantized KV layers (`kv_bits`) merge into `BatchQuantizedKVCache`
 (`mlx_spec.batch_quantized`) once a row's cache is quantized, with rows of the same
 bits and group size; a row can only join a batch while its cache kind is settled
-(`kind`). Windows with sink positions (`max_kv_size`) decode one row at a time.
+(`kind`).
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ def _layer_kind(c):
         return type(c).__name__
     if type(c) is QuantizedKVCache:
         return ("quantized", c.bits, c.group_size)
-    if type(c) is WindowKVCache and c.keep == 0:
-        return ("window", c.window)
+    if type(c) is WindowKVCache:
+        return ("window", c.window, c.keep)
     return None
 
 

@@ -15,7 +15,7 @@ import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
 from mlx_spec.batch_cache import BatchCheckpoint, extract, join, merge
 from mlx_spec.batch_window import BatchWindowKVCache
-from mlx_spec.cache import WindowKVCache, prepare_cache
+from mlx_spec.cache import Checkpoint, WindowKVCache, prepare_cache
 from runs import mlx_lm_greedy as reference
 from test_batch import batched_runs, drain
 
@@ -100,13 +100,36 @@ def test_a_row_leaving_the_batch_keeps_its_window_in_its_prompt_cache(small_buff
     assert got == reference(model, PROMPTS[1] + out[a] + [3], 20)
 
 
-def test_windows_with_sink_positions_are_still_served_one_at_a_time():
-    model = tiny.qwen2_model()  # max_kv_size: a window whose first 4 positions stay visible
-    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3)
-    for p in PROMPTS:
-        decoder.add(p, NGramDrafter(min_n=1), max_tokens=16, max_kv_size=12)
+def sink_model():
+    if "sinks" not in _model:
+        _model["sinks"] = tiny.qwen2_model()
+    return _model["sinks"]
+
+
+def test_rows_with_sink_windows_get_mlx_lms_own_output_in_one_batch(small_buffers):
+    """`max_kv_size=12`: mlx-lm's window of 12 whose first 4 positions stay visible; every
+    row runs far past it, verified together, and decodes what mlx-lm decodes alone."""
+    from mlx_lm.generate import generate_step
+
+    model = sink_model()
+
+    def mlx_lm(p, **kw):
+        return [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=40, **kw)]
+
+    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model)]
+    res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, iter([m() for m in makers]).__next__,
+                                  max_tokens=40, num_draft_tokens=4, max_kv_size=12)
+    want = [mlx_lm(p, max_kv_size=12) for p in PROMPTS]
+    assert res.tokens == want and any(w != mlx_lm(p) for w, p in zip(want, PROMPTS))
+    assert all(max(s.batch_sizes) == 3 for s in res.stats) and res.stats[0].accepted > 0
+
+
+def test_rows_of_other_window_sizes_are_served_one_at_a_time():
+    decoder = BatchDecoder(sink_model(), tiny.tokenizer(), max_batch=3)
+    for p, size in zip(PROMPTS, (12, 12, 16)):
+        decoder.add(p, NGramDrafter(min_n=1), max_tokens=8, max_kv_size=size)
     _, widths = drain(decoder)
-    assert max(widths) == 1
+    assert max(widths) == 2 and widths[-1] == 1  # the two rows of 12, then the row of 16
 
 
 # (kept positions per row per block, seed); blocks of 6 and 6 of them: 36 positions > window 8
@@ -151,9 +174,48 @@ def test_ragged_window_rollback_equals_each_rows_fresh_cache(blocks, lengths, jo
         np.testing.assert_allclose(alone, want, rtol=1e-4, atol=1e-4)
 
 
-def test_the_batch_window_cache_stays_bounded():
-    model = gemma()
-    caches = [prepare_cache(model, make_prompt_cache(model)) for _ in range(2)]
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(blocks=blocks, lengths=st.lists(st.integers(1, 14), min_size=3, max_size=3),
+       joiner=st.integers(0, 5))
+def test_ragged_sink_window_rollback_equals_each_rows_solo_cache(blocks, lengths, joiner, small_buffers):
+    """Windows of 12 keeping 4 sinks (`max_kv_size=12`), compacted every few columns: after
+    any verify/keep blocks, each row of the batch (and each row taken out of it) is its own
+    solo cache given the same blocks."""
+    model = sink_model()
+    rng = np.random.default_rng(sum(lengths))
+    solos = []
+    for n in lengths:
+        c = prepare_cache(model, make_prompt_cache(model, max_kv_size=12))
+        model(mx.array([rng.integers(0, tiny.VOCAB, n).tolist()]), cache=c)
+        solos.append(c)
+    batch, rows = merge(solos[:2]), 2
+    assert batch[0].keep == 4
+    for j, (keep, seed) in enumerate(blocks):
+        if j == joiner and rows == 2:
+            join(batch, solos[2])
+            rows = 3
+        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
+        ckpt = BatchCheckpoint(batch)
+        model(mx.array(block), cache=batch)
+        ckpt.keep(keep[:rows], 6)
+        for i in range(rows):
+            alone = Checkpoint(model, solos[i])
+            model(mx.array(block[i : i + 1]), cache=solos[i])
+            alone.keep(block[i, : keep[i]].tolist(), 6)
+    outs = [extract(batch, i) for i in range(rows)]
+    got = np.array(model(mx.array([[7]] * rows), cache=batch)[:, -1])
+    for i in range(rows):
+        want = np.array(model(mx.array([[7]]), cache=solos[i])[0, -1])
+        np.testing.assert_allclose(got[i], want, rtol=1e-4, atol=1e-4)
+        taken = np.array(model(mx.array([[7]]), cache=outs[i])[0, -1])
+        np.testing.assert_allclose(taken, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_the_batch_window_cache_stays_bounded(sinks):
+    model = sink_model() if sinks else gemma()
+    caches = [prepare_cache(model, make_prompt_cache(model, 12 if sinks else None)) for _ in range(2)]
     for c, p in zip(caches, PROMPTS[1:]):
         model(mx.array([p]), cache=c)
     batch = merge(caches)
@@ -163,7 +225,8 @@ def test_the_batch_window_cache_stays_bounded():
         ckpt.keep([3, 4], 4)
     win = batch[0]
     assert isinstance(win, BatchWindowKVCache) and win.offset.tolist() == [8 + 360, 13 + 480]
-    assert win._idx <= win.retain + win.step + 4
+    assert win.keep == (4 if sinks else 0)
+    assert win._idx <= win.keep + win.retain + win.step + 4
 
 
 @pytest.mark.slow
