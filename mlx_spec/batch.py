@@ -232,11 +232,12 @@ class BatchDecoder:
         return drafts, verify.verify(self.model, cache, rows, drafts), True
 
     def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
-        """A tree is verified as one when this step can (one row, plain KV layers, no logits
-        processors); otherwise its first branch is (said once)."""
+        """A tree is verified as one when this step can (plain KV layers, ropes that take a
+        position per row in a batch, no logits processors); otherwise its first branch is
+        (said once)."""
         if draft.parents is None or tree.is_chain(draft.parents):
             return draft if draft.parents is None else tree.as_chain(draft)
-        if width == 1 and tree.tree_capable(cache) and not row.req.logits_processors:
+        if tree.tree_capable(cache, self.model if width > 1 else None) and not row.req.logits_processors:
             from .adaptive import AdaptiveK
 
             if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
@@ -249,8 +250,9 @@ class BatchDecoder:
             return row.shapes.apply(draft, row.shape_pick)
         if not self._said_chain:
             self._said_chain = True
-            log.info("draft trees need a single request on a target with plain KV caches and "
-                     "no logits processors; verifying their first branch as a chain instead")
+            log.info("draft trees need a target with plain KV caches (in a batch, also ropes that "
+                     "take a position per row) and no logits processors; verifying their first "
+                     "branch as a chain instead")
         return tree.as_chain(draft)
 
     # ---- leaving -----------------------------------------------------------------------
@@ -345,7 +347,8 @@ def _trimmed(model, rows: list[Row], drafts: list) -> list:
     keep = [n for n, _ in agree_lengths(model, [(n, None) for n in keep])]
     return [d if n >= d.size else EMPTY if n == 0 else
             Draft(d.tokens[:n], None if d.q is None else d.q[:n],
-                  None if d.length is None else mx.minimum(d.length, n))
+                  None if d.length is None else mx.minimum(d.length, n),
+                  None if d.parents is None else d.parents[:n])  # (a tree's first n nodes: a tree)
             for d, n in zip(drafts, keep)]
 
 

@@ -22,6 +22,21 @@ DEFAULT_PROMPT = "hello"  # as mlx_lm.generate
 DEFAULT_MAX_TOKENS = 100  # as mlx_lm.generate
 
 
+def add_cache_arguments(p) -> None:
+    """mlx-lm's KV cache options (`generate` and `serve` take the same)."""
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="keep at most this many positions in the KV cache (the first 4 stay), as mlx-lm")
+    p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
+    p.add_argument("--kv-group-size", type=int, default=64, help="group size of KV cache quantization")
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="with --kv-bits, quantize the KV cache once it holds this many positions")
+
+
+def cache_options(args) -> dict:
+    return dict(max_kv_size=args.max_kv_size, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                quantized_kv_start=args.quantized_kv_start)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model folder, Hugging Face repo or zoo name (default: {DEFAULT_MODEL})")
@@ -52,12 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--max-kv-size", type=int, default=None,
-                   help="keep at most this many positions in the KV cache (the first 4 stay), as mlx-lm")
-    p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
-    p.add_argument("--kv-group-size", type=int, default=64, help="group size of KV cache quantization")
-    p.add_argument("--quantized-kv-start", type=int, default=5000,
-                   help="with --kv-bits, quantize the KV cache once it holds this many positions")
+    add_cache_arguments(p)
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens processed at a time (smaller: lower peak memory)")
     p.add_argument("--ignore-chat-template", action="store_true",
@@ -189,8 +199,7 @@ def _generate(args, prompt: str) -> int:
         print("=" * 10)
     options = dict(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temp=args.temp,
                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
-                   max_kv_size=args.max_kv_size, kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-                   quantized_kv_start=args.quantized_kv_start, prefill_step_size=args.prefill_step_size)
+                   prefill_step_size=args.prefill_step_size, **cache_options(args))
     text, last = "", None
     for last in mlx_spec.stream_generate(model, tokenizer, ids, drafter, **options):
         print(last.text, end="", flush=True)

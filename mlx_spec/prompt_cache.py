@@ -165,8 +165,8 @@ def copy_cache(cache: list) -> list:
 class PromptCacheStore:
     """Finished prompt caches for `model`, fetched by longest common prefix, LRU by bytes."""
 
-    def __init__(self, model, max_bytes: int = 1 << 30):
-        self.model, self.max_bytes = model, max_bytes
+    def __init__(self, model, max_bytes: int = 1 << 30, max_kv_size: int | None = None):
+        self.model, self.max_bytes, self.max_kv_size = model, max_bytes, max_kv_size
         self._entries: list[tuple[tuple[int, ...], list, int]] = []  # most recently used last
 
     def __len__(self) -> int:
@@ -198,7 +198,7 @@ class PromptCacheStore:
             if trim_to(copy_, n):
                 self._entries.append(self._entries.pop(i))
                 return copy_, n
-        return prepare_cache(self.model, make_prompt_cache(self.model)), 0
+        return prepare_cache(self.model, make_prompt_cache(self.model, self.max_kv_size)), 0
 
     def put(self, cache: list) -> None:
         """Keep `cache` (the store owns it from now on) under the tokens it holds."""

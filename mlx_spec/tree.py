@@ -32,7 +32,7 @@ from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 def depths(parents: Sequence[int]) -> list[int]:
@@ -61,13 +61,20 @@ def ancestry(parents: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def tree_capable(cache: list) -> bool:
-    """Whether a tree can be verified on this cache (plain KV layers: gathered after acceptance)."""
-    return bool(cache) and all(type(c) is KVCache for c in cache)
+def tree_capable(cache: list, model=None) -> bool:
+    """Whether a tree can be verified on this cache: plain KV layers (gathered after
+    acceptance), one row's or a batch's (`BatchKVCache`, when the model's ropes take a
+    position per row: `DepthRoPE`)."""
+    if bool(cache) and all(type(c) is KVCache for c in cache):
+        return True
+    return (model is not None and bool(cache) and all(type(c) is BatchKVCache for c in cache)
+            and all(type(m[k]) in _ARRAY_OFFSET_ROPES for m, k in _ropes(model)))
 
 
 class TreeCache:
-    """A KV layer seen through a tree block: the model's mask is the tree's."""
+    """A KV layer seen through a tree block: the model's mask is the tree's. `mask` is [N, W]
+    for one row, or [B, N, W] for the rows of a batch cache (`BatchKVCache`: each row also
+    never sees its own left padding)."""
 
     def __init__(self, inner: KVCache, mask: mx.array):
         self.inner, self._mask = inner, mask
@@ -83,15 +90,25 @@ class TreeCache:
         mask's last W: earlier tree rows already in the cache, then the block) in full."""
         if window_size is not None:
             raise ValueError("tree blocks do not support sliding-window layers")
+        if self._mask.ndim == 3:  # a batch: [B, 1, N, columns]
+            c = self.inner
+            cols = mx.arange(c._idx + N - self._mask.shape[2])[None]
+            before = mx.broadcast_to((cols >= c.left_padding[:, None])[:, None, :],
+                                     (self._mask.shape[0], N, cols.shape[1]))
+            return mx.concatenate([before, self._mask], axis=2)[:, None]
         before = mx.ones((N, self.inner.offset + N - self._mask.shape[1]), mx.bool_)
         return mx.concatenate([before, self._mask], axis=1)
 
 
 class DepthPlan:
-    """What every layer's `DepthRoPE` needs about a block's node depths, built once a forward."""
+    """What every layer's `DepthRoPE` needs about a block's node depths, built once a forward:
+    one list (one row), or a list per row of a batch."""
 
-    def __init__(self, depths_: list[int]):
+    def __init__(self, depths_: list):
         self.depths = mx.array(depths_, mx.int32)
+        if self.depths.ndim == 2:  # a batch: ropes with a position per row only
+            self.groups = self.order = self.unorder = None
+            return
         order = sorted(range(len(depths_)), key=depths_.__getitem__)
         groups, start = [], 0
         for d in sorted(set(depths_)):
@@ -116,7 +133,9 @@ class DepthRoPE:
         B, H, n, D = x.shape
         plan = self.plan
         rows = x.transpose(2, 0, 1, 3).reshape(n * B, H, 1, D)  # node-major, then batch
-        if self.per_row:
+        if plan.depths.ndim == 2:  # a batch ([B, n] depths, [B] offsets), node-major like `rows`
+            out = self.inner(rows, offset=(plan.depths.T + offset).reshape(-1))
+        elif self.per_row:
             out = self.inner(rows, offset=mx.repeat(plan.depths + offset, B))
         else:
             rows = rows.reshape(n, B, H, 1, D)[plan.order].reshape(n * B, H, 1, D)
@@ -154,13 +173,29 @@ def forward_block(model, cache: list, inputs: mx.array, mask: mx.array, shifts: 
     return call_block(model, cache, mask, shifts, lambda wrapped: model(inputs[None], cache=wrapped)[0])
 
 
-def call_block(module, cache: list, mask: mx.array, shifts: list[int], run):
+def forward_rows(model, cache: list, inputs: mx.array, parents: list) -> mx.array:
+    """Logits [B, T, V] of a batch's blocks `inputs` [B, T] = [y, nodes..., padding] (lazy):
+    row i's tree is `parents[i]`; padding nodes continue its last node (breadth-first order
+    holds) and are never read."""
+    T = inputs.shape[1]
+    masks, shifts = [], []
+    for par in parents:
+        par = list(par) + list(range(len(par) - 1, T - 2))
+        masks.append(ancestry(par))
+        shifts.append([0] + depths(par))
+    return call_block(model, cache, mx.array(np.stack(masks)), shifts,
+                      lambda wrapped: model(inputs, cache=wrapped))
+
+
+def call_block(module, cache: list, mask: mx.array, shifts: list, run):
     """`run(wrapped cache)` (a forward of `module` over N rows, e.g. a drafter head's) with
     `forward_block`'s mask and positions: the cache layers seen through `TreeCache`, the
     module's ropes through `DepthRoPE` for this one call."""
     ropes = _ropes(module)
     if not ropes:
         raise ValueError(f"{type(module).__name__} has no rope modules to place tree nodes")
+    if mask.ndim == 3 and any(type(m[k]) not in _ARRAY_OFFSET_ROPES for m, k in ropes):
+        raise ValueError("a batch of trees needs ropes that take a position per row (`tree_capable`)")
     wrapped = [TreeCache(c, mask) for c in cache]
     plan = DepthPlan(shifts)  # shared by every layer's rope
     originals = [(m, m[k]) for m, k in ropes]
@@ -183,6 +218,20 @@ def compact(cache: list, base: int, keep: list[int]) -> None:
             block = buf[..., base : base + n, :]
             buf[..., base : base + len(keep), :] = mx.take(block, idx, axis=2)
         c.offset = base + len(keep)
+
+
+def compact_rows(cache: list, T: int, keeps: list[list[int]]) -> None:
+    """Each row i of a batch cache keeps rows `keeps[i]` (root first) of the T-row block just
+    appended, moved to the block's first positions; the rest of every row's block is left
+    for the checkpoint to trim (`BatchCheckpoint.keep` with len(keeps[i]) kept)."""
+    width = max(len(k) for k in keeps)
+    idx = mx.array([k + [0] * (width - len(k)) for k in keeps], mx.int32)[:, None, :, None]
+    for c in cache:
+        base = c._idx - T
+        for name in ("keys", "values"):
+            buf = getattr(c, name)
+            block = buf[..., base : c._idx, :]
+            buf[..., base : base + width, :] = mx.take_along_axis(block, idx, axis=2)
 
 
 def children(parents: Sequence[int]) -> list[list[int]]:

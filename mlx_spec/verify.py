@@ -156,8 +156,9 @@ class Chain:
 
 
 class Tree(Chain):
-    """One row's draft tree (`mlx_spec.tree`, plain KV layers): the forward with the tree's mask
-    and depth positions, `tree.draws` then `tree.walk`, which gathers the kept path's cache rows."""
+    """A row's draft tree (`mlx_spec.tree`, plain KV layers): the forward with the tree's mask
+    and depth positions, `tree.draws` then `tree.walk`; the kept path's cache rows are
+    gathered into place after the walk (`tree.compact`, `tree.compact_rows` in a batch)."""
 
     def __init__(self, cache, draft: Draft):
         self.parents, self.cache, self.base = list(draft.parents), cache, cache[0].offset
@@ -171,16 +172,28 @@ class Tree(Chain):
 
     def walk(self, read: list, sampling):
         path, nxt = tree.walk(self.parents, read[0], read[1:], sampling.greedy)
-        keep = [0] + [j + 1 for j in path]
-        tree.compact(self.cache, self.base, keep)
-        return [read[0][j] for j in path], len(path), nxt, mx.array(keep)
+        return [read[0][j] for j in path], len(path), nxt, [0] + [j + 1 for j in path]
+
+
+CHAIN = Chain()
+
+
+def _forward(model, cache: list, blocks: list, inputs: list, drafts: list):
+    """Logits [B, T, V] of the step's one target forward: chains, one row's tree, or a batch
+    with trees (chains in it are trees of one branch)."""
+    if all(b is CHAIN for b in blocks):
+        return CHAIN.forward(model, cache, mx.stack(inputs))
+    if len(blocks) == 1:
+        return blocks[0].forward(model, cache, inputs[0][None])
+    parents = [d.parents if d.parents is not None else tuple(range(-1, d.size - 1)) for d in drafts]
+    return tree.forward_rows(model, cache, mx.stack(inputs), parents)
 
 
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
-    """One target forward over every row's chain, or one row's tree; each keeps what it accepted."""
+    """One target forward over every row's block, a chain or a tree; each keeps what it accepted."""
     single = len(rows) == 1
-    block = Tree(cache, drafts[0]) if single and drafts[0].parents is not None else Chain()
-    if single and block.depth is None:  # (rows in a batch are settled: batch_cache.kind) between steps, never inside a checkpoint
+    blocks = [CHAIN if d.parents is None else Tree(cache, d) for d in drafts]
+    if single and blocks[0] is CHAIN:  # (rows in a batch are settled: batch_cache.kind) between steps, never inside a checkpoint
         rows[0].req.quantize_cache(cache)
     T = 1 + max(d.size for d in drafts)
     ckpt = checkpoint(model, cache, len(rows))
@@ -189,23 +202,30 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
                                  + ([mx.full((T - 1 - d.size,), r.y, mx.uint32)] if d.size < T - 1 else []))
                   for r, d in zip(rows, drafts)]
         with overlapped(model) as queued:  # evaluated in pieces while the rest is built
-            logits = block.forward(model, cache, mx.stack(inputs) if not single else inputs[0][None])  # [B, T, V]
+            logits = _forward(model, cache, blocks, inputs, drafts)  # [B, T, V]
         rows_logits, arrays = [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
             rows_logits.append(processed(row, logits[i, : d.size + 1], inputs[i][: d.size + 1]))
             row.seed_rng(1)
-            arrays.append(block.accept(rows_logits[i], d, row.req.sampling))
+            arrays.append(blocks[i].accept(rows_logits[i], d, row.req.sampling))
         tic = time.perf_counter()
         mx.eval(arrays)  # the one sync
         wait = time.perf_counter() - (queued.at or tic)  # MLX had work from the first piece on
-        verdicts, kept = [], []
+        verdicts, kept, keeps = [], [], []
         for i, (row, d) in enumerate(zip(rows, drafts)):
-            proposed, n, nxt, at = block.walk([a.tolist() for a in arrays[i]], row.req.sampling)
+            proposed, n, nxt, at = blocks[i].walk([a.tolist() for a in arrays[i]], row.req.sampling)
             kept.append([row.y] + proposed[:n])
+            keeps.append(list(range(n + 1)) if isinstance(at, slice) else at)
+            at = at if isinstance(at, slice) else mx.array(at)
             # The verify forward's own rows, read before a replay (recurrent targets) records others.
             taps = row.read_taps(i, d.size + 1)
             verdicts.append(Verdict(proposed, n, nxt, taps and {t: h[at] for t, h in taps.items()},
-                                    log_softmax(rows_logits[i][at]), d.size, block.depth))
+                                    log_softmax(rows_logits[i][at]), d.size, blocks[i].depth))
+        if any(b is not CHAIN for b in blocks):  # the kept paths' rows into place
+            if single:
+                tree.compact(cache, blocks[0].base, keeps[0])
+            else:
+                tree.compact_rows(cache, T, keeps)
     except BaseException:
         ckpt.restore()
         raise

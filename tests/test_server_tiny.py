@@ -13,6 +13,7 @@ import threading
 import time
 
 import anthropic
+import mlx.core as mx
 import numpy as np
 import openai
 import pytest
@@ -364,3 +365,41 @@ def test_window_and_recurrent_targets_reuse_what_their_caches_can_restore(kind):
     assert cached[:2] == [0, len(prompt) + 8]  # a conversation that goes on: all of it
     # another branch from the 10th token: attention caches trim back to it, recurrent state cannot
     assert cached[2] == {"full": 10, "window": cached[2], "recurrent": 0}[kind] and cached[2] <= 10
+
+
+@pytest.mark.parametrize("options", [dict(kv_bits=4, kv_group_size=32, quantized_kv_start=0),
+                                     dict(max_kv_size=12)], ids=["kv-bits", "max-kv-size"])
+def test_cache_options_apply_to_every_request_and_requests_still_decode_together(options):
+    """The server's --kv-bits / --max-kv-size: each request's output is mlx-lm's own with the
+    same cache settings, and concurrent requests are verified together."""
+    from mlx_lm.generate import generate_step
+
+    model = (tiny.llama_model(hidden=128, heads=4, kv_heads=2) if "kv_bits" in options
+             else tiny.qwen2_model())  # head dimension 32 (groups of 32) / a window of 12
+    tok = word_tokenizer()
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8]]
+    want = [tok.decode([int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=30, **options)])
+            for p in prompts]
+    plain = [mlx_spec.generate(model, tok, p, None, max_tokens=30) for p in prompts]
+    assert want != plain  # the options change the output, so this test can fail
+    got = [None, None]
+    with running_server(model, tok, mlx_spec.NGramDrafter(min_n=1), num_draft_tokens=3, max_batch=2,
+                        cache_options=options) as s:
+        def ask(i):
+            got[i] = client(s).completions.create(model="test-model", prompt=prompts[i], max_tokens=30,
+                                                  temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        together = metrics(s.port).get('mlx_spec:decode_steps_total{rows="2"}', 0)
+    assert got == want and together > 0
+
+
+def test_bad_cache_options_stop_the_server_before_it_starts():
+    from mlx_spec.server.engine import Engine
+
+    with pytest.raises(ValueError, match="kv_bits must be one of"):
+        Engine(tiny.llama_model(), word_tokenizer(), cache_options=dict(kv_bits=7))

@@ -18,7 +18,7 @@ import argparse
 import importlib.util
 import sys
 
-from ..generate_cli import DEFAULT_MODEL, _k, add_dist_timeout
+from ..generate_cli import DEFAULT_MODEL, _k, add_cache_arguments, add_dist_timeout
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", choices=("pipeline", "tensor"), default=None,
                    help="split the target over the ranks of `mlx-spec launch` / mlx.launch; rank 0 "
                    "serves HTTP and the others decode with it, step by step")
+    add_cache_arguments(p)  # for every request; batched (unlike mlx_lm.server with --kv-bits)
     add_dist_timeout(p)
     p.add_argument("--verbose", action="store_true", help="log every request, and tracebacks")
 
@@ -103,7 +104,7 @@ def _serve(args) -> int:
 
     import mlx_spec
 
-    from ..generate_cli import make_drafter, resolve_model
+    from ..generate_cli import cache_options, make_drafter, resolve_model
     from .app import Server, create_app
     from .engine import Engine
 
@@ -125,7 +126,7 @@ def _serve(args) -> int:
     stop = []  # set when the engine loop dies (a lost rank): the server then shuts down
     engine = Engine(model, tokenizer, drafter, model_id=args.model, num_draft_tokens=args.num_draft_tokens,
                     max_queue=args.max_queue, prompt_cache_bytes=args.prompt_cache_bytes,
-                    max_batch=args.max_batch, link=link,
+                    max_batch=args.max_batch, link=link, cache_options=cache_options(args),
                     on_fatal=lambda e: [setattr(s, "should_exit", True) for s in stop]).start()
     if link is not None and not link.leader:
         error = engine.wait()  # mirrors rank 0's steps until rank 0 closes

@@ -67,11 +67,12 @@ class Engine:
 
     def __init__(self, model, tokenizer, drafter=None, *, model_id: str = "model",
                  num_draft_tokens="auto", max_queue: int = 16, prompt_cache_bytes: int = 1 << 30,
-                 max_batch: int = 4, link=None, on_fatal=None):
+                 max_batch: int = 4, link=None, on_fatal=None, cache_options: dict | None = None):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         from ..drafters.base import vocab_size
         from ..prompt_cache import PromptCacheStore
+        from ..request import make_request
         from .params import context_length
         from .text import make_machine
 
@@ -84,7 +85,10 @@ class Engine:
         self.max_batch = max_batch if drafter is None or hasattr(drafter, "fork") else 1
         self.vocab_size, self.context_length = vocab_size(model), context_length(model)
         self.machine = make_machine(tokenizer)
-        self.store = PromptCacheStore(model, prompt_cache_bytes)
+        # mlx-lm's KV cache options for every request (max_kv_size, kv_bits, ...): checked now
+        self.cache_options = {k: v for k, v in (cache_options or {}).items() if v is not None}
+        make_request(model, tokenizer, [0], **self.cache_options)
+        self.store = PromptCacheStore(model, prompt_cache_bytes, self.cache_options.get("max_kv_size"))
         self.metrics = Metrics()
         self.created = int(time.time())
         self._waiting: deque[Job] = deque()
@@ -268,7 +272,8 @@ class Engine:
         # after the step instead.
         try:
             uid = self.decoder.add(prompt[cached:], drafter, prompt_cache=cache, rng_seed=seed,
-                                   prompt_progress_callback=None if sharded else progress, **options)
+                                   prompt_progress_callback=None if sharded else progress,
+                                   **self.cache_options, **options)
         except BaseException as e:  # bad options: the same on every rank
             self.store.put(cache)
             if job is not None:
