@@ -253,19 +253,19 @@ def test_sampled_rows_of_a_window_batch_have_the_targets_law():
 @pytest.mark.download
 @pytest.mark.slow
 def test_real_gemma3_rows_get_their_solo_greedy_output_past_a_shortened_window():
-    """gemma-3-270m's real weights with its 512-token window cut to 16 (the model's own
-    mask and mlx-lm's cache both follow `sliding_window`), so 32 tokens cross it."""
+    """gemma-3-270m's real weights with its 512-token window cut to 12 (the model's own
+    mask and mlx-lm's cache both follow `sliding_window`), so 24 tokens cross it."""
     from mlx_lm.generate import generate_step
 
     from mlx_spec import zoo
 
     model, tok = mlx_spec.load(str(zoo.fetch("gemma-3-270m", dtype="float32")))
-    model.args.sliding_window = model.model.window_size = 16
+    model.args.sliding_window = model.model.window_size = 12
     texts = ["Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown fox.",
              "Hi", "Write a Python function that returns the squares of a list of numbers."]
     ids = [tok.encode(t) for t in texts]
-    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=32)] for p in ids]
-    res = mlx_spec.batch_generate(model, tok, ids, lambda: NGramDrafter(), max_tokens=32,
+    want = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=24)] for p in ids]
+    res = mlx_spec.batch_generate(model, tok, ids, lambda: NGramDrafter(), max_tokens=24,
                                   num_draft_tokens=4)
     assert res.tokens == want
     assert all(max(s.batch_sizes) == 3 for s in res.stats) and res.stats[0].accepted > 0

@@ -53,8 +53,20 @@ def folders(tmp_path_factory):
 
 
 def launch(n, *args, timeout=180, env=None):
+    """`mlx.launch` of `n` ranks, in a session of its own: on a timeout every rank is killed
+    with it (killing mlx.launch alone leaves the ranks running, spinning in the ring
+    backend and slowing every later test), and the timeout is reported with their output."""
     cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", "--", sys.executable, *map(str, args)]
-    return subprocess.run(cmd, env=env or ENV, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"the launch of {n} ranks did not end in {timeout} s; its stderr:\n"
+                             f"{err[-3000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 SETUPS = {  # ranks -> [(mode, target, draft, suffix)]: one launch each

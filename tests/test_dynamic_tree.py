@@ -221,11 +221,11 @@ def test_greedy_on_smollm2_with_a_perturbed_copy_as_draft(smollm2, smollm2_path)
     norm.weight = norm.weight * (1 + 0.3 * mx.random.normal(norm.weight.shape, key=mx.random.key(0)))
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain in detail how rivers form."}],
                                      add_generation_prompt=True)
-    want = reference(model, prompt, 60)
+    want = reference(model, prompt, 40)
     d = mlx_spec.DraftModelDrafter(draft, tok, tree_budget=8)
-    out = list(mlx_spec.stream_generate(model, tok, prompt, d, max_tokens=60, num_draft_tokens=8, trace=True))
+    out = list(mlx_spec.stream_generate(model, tok, prompt, d, max_tokens=40, num_draft_tokens=8, trace=True))
     got = [r.token for r in out]
-    assert len(got) >= 40 and got == want[: len(got)]  # (plain decoding by mlx-lm does not stop at EOS)
+    assert len(got) >= 30 and got == want[: len(got)]  # (plain decoding by mlx-lm does not stop at EOS)
     s = out[-1].stats
     assert s.tree_steps > 0 and s.tau > 1.5
 
