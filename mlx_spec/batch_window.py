@@ -56,14 +56,9 @@ class BatchWindowKVCache(BatchKVCache):
         drop = self._idx - width
         if self.keys is None or drop < self.step:
             return
-        if not self.keep:
-            self.keys = mx.contiguous(self.keys[..., drop : self._idx, :])
-            self.values = mx.contiguous(self.values[..., drop : self._idx, :])
-            self._idx -= drop
-            self.left_padding = mx.maximum(self.left_padding - drop, 0)
-            return
         # Each row: its sinks and its `retain` most recent columns, right-aligned at `width`
-        # (a row holding no more than `width` columns keeps them all, in place).
+        # (a row holding no more than `width` columns keeps them all, in place; without
+        # sinks this is the last `width` columns of every row).
         lp = mx.maximum(self.left_padding, 0)[:, None]
         held = self._idx - lp  # [B, 1] columns each row holds
         j = mx.arange(width)[None]

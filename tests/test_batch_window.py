@@ -137,6 +137,22 @@ blocks = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3),
                   min_size=1, max_size=6)
 
 
+def run_blocks(model, solos, blocks, joiner, after):
+    """Rows 0 and 1 merged, row 2 joining before block `joiner`: each block of 6 tokens a row
+    verified at once and row i keeping keep[i] of it; `after(block, keep)` each time."""
+    batch, rows = merge(solos[:2]), 2
+    for j, (keep, seed) in enumerate(blocks):
+        if j == joiner and rows == 2:
+            join(batch, solos[2])
+            rows = 3
+        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
+        ckpt = BatchCheckpoint(batch)
+        model(mx.array(block), cache=batch)
+        ckpt.keep(keep[:rows], 6)
+        after(block, keep)
+    return batch, rows
+
+
 @settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(blocks=blocks, lengths=st.lists(st.integers(1, 14), min_size=3, max_size=3),
@@ -152,17 +168,12 @@ def test_ragged_window_rollback_equals_each_rows_fresh_cache(blocks, lengths, jo
         c = prepare_cache(model, make_prompt_cache(model))
         model(mx.array([p]), cache=c)
         solos.append(c)
-    batch, rows = merge(solos[:2]), 2
-    for j, (keep, seed) in enumerate(blocks):
-        if j == joiner and rows == 2:
-            join(batch, solos[2])
-            rows = 3
-        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
-        ckpt = BatchCheckpoint(batch)
-        model(mx.array(block), cache=batch)
-        ckpt.keep(keep[:rows], 6)
-        for i in range(rows):
+
+    def fed(block, keep):
+        for i in range(len(block)):
             committed[i] += block[i, : keep[i]].tolist()
+
+    batch, rows = run_blocks(model, solos, blocks, joiner, fed)
     probe = mx.array([[7]] * rows)
     outs = [extract(batch, i) for i in range(rows)]
     got = np.array(model(probe, cache=batch)[:, -1])
@@ -189,20 +200,15 @@ def test_ragged_sink_window_rollback_equals_each_rows_solo_cache(blocks, lengths
         c = prepare_cache(model, make_prompt_cache(model, max_kv_size=12))
         model(mx.array([rng.integers(0, tiny.VOCAB, n).tolist()]), cache=c)
         solos.append(c)
-    batch, rows = merge(solos[:2]), 2
-    assert batch[0].keep == 4
-    for j, (keep, seed) in enumerate(blocks):
-        if j == joiner and rows == 2:
-            join(batch, solos[2])
-            rows = 3
-        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
-        ckpt = BatchCheckpoint(batch)
-        model(mx.array(block), cache=batch)
-        ckpt.keep(keep[:rows], 6)
-        for i in range(rows):
-            alone = Checkpoint(model, solos[i])
+
+    def alone(block, keep):  # each row's own cache, given the same block
+        for i in range(len(block)):
+            ckpt = Checkpoint(model, solos[i])
             model(mx.array(block[i : i + 1]), cache=solos[i])
-            alone.keep(block[i, : keep[i]].tolist(), 6)
+            ckpt.keep(block[i, : keep[i]].tolist(), 6)
+
+    batch, rows = run_blocks(model, solos, blocks, joiner, alone)
+    assert batch[0].keep == 4
     outs = [extract(batch, i) for i in range(rows)]
     got = np.array(model(mx.array([[7]] * rows), cache=batch)[:, -1])
     for i in range(rows):
