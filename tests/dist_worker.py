@@ -140,17 +140,21 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
 def tree_auto(model, tok, prompt) -> tuple[list[int], int]:
     """n-gram trees with `auto` choosing how much of each tree to verify from what each shape
     paid (step timings, which differ between ranks). Rank 1 would always pick the first branch
-    alone, so the ranks agree only if every rank takes rank 0's pick: tokens and tree steps."""
+    alone, so the ranks agree only if every rank takes rank 0's pick: tokens and tree steps.
+    The draft length is held at its largest on every rank: left to auto, a loaded machine's
+    timings could park drafting for the whole run, and then no tree is ever verified."""
+    from mlx_spec.adaptive import AdaptiveK
     from mlx_spec.tree import ShapeChoice
 
-    real = ShapeChoice.pick
+    real, choose = ShapeChoice.pick, AdaptiveK.choose
     if mx.distributed.init().rank() == 1:
         ShapeChoice.pick = lambda self: (real(self), 0)[1]
+    AdaptiveK.choose = lambda self: (choose(self), (self.k_max, 1.0))[1]
     try:
         out = list(mlx_spec.stream_generate(model, tok, prompt, mlx_spec.NGramDrafter(min_n=1, branches=2),
                                             max_tokens=N))
     finally:
-        ShapeChoice.pick = real
+        ShapeChoice.pick, AdaptiveK.choose = real, choose
     return [r.token for r in out], out[-1].stats.tree_steps
 
 
