@@ -312,7 +312,9 @@ def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
 
 def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     """Each row's draft length for this step: its own policy alone, the batch's choice together.
-    On a sharded target every rank takes rank 0's (timings differ between ranks)."""
+    A row whose drafter's first read of its backlog would cost more than drafting can save
+    decodes plainly from here on (`Row.drafting_pays`). On a sharded target every rank takes
+    rank 0's choices (timings differ between ranks)."""
     if len(rows) == 1:
         choices = [rows[0].lengths.choose()]
     else:
@@ -323,7 +325,17 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
         return choices
     from .distributed import agree_lengths
 
-    return agree_lengths(model, choices)
+    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain)
+                                    else (k, gain) for row, (k, gain) in zip(rows, choices)])
+    for row, (k, _) in zip(rows, choices):
+        if k < 0:
+            if not row.stats.plain_reason:
+                log.info("request %s decodes plainly: its drafter would first read %d tokens, which "
+                         "costs more than drafting can save in the %d tokens left", row.uid,
+                         row.drafter.backlog, row.req.max_tokens - len(row.out))
+            row.stats.plain_reason = "backlog"
+            row.lengths = FixedK(0)
+    return [(max(k, 0), gain) for k, gain in choices]
 
 
 def _plain_next(model, rows: list[Row]) -> bool:

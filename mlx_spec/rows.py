@@ -21,6 +21,8 @@ from .request import Request
 from .stats import SpecStats
 from .taps import Taps
 
+CATCH_UP_MIN = 32  # a smaller backlog is read without weighing it
+
 
 @dataclass
 class Response:
@@ -70,6 +72,7 @@ class Row:
         self.settled = False  # released: its drafter and prompt cache are free again
         self.claimed: list = []
         self.sync_seconds = 0.0
+        self.prefill_time = [0, 0.0]  # prompt tokens the target read in chunks, and their seconds
         self.tic = time.perf_counter()
 
     # ---- inputs ------------------------------------------------------------------------
@@ -151,6 +154,28 @@ class Row:
                 break
         self.block, self.y = len(out), y
         return out
+
+    def drafting_pays(self, gain: float) -> bool:
+        """Before its first draft: whether the drafter reading its backlog (the prompt, for a
+        draft model: `backlog`) costs less than drafting is expected to save over the tokens
+        still to come, at most `max_tokens` of them at the policy's expected `gain` over plain
+        decoding. When it does not pay at the first draft it never will (the backlog only
+        grows, the tokens left only shrink), so the row then decodes plainly to the end.
+
+        Reading costs the draft model's one-token forward (`draft_per_token`) times what a
+        prompt token costs the target relative to its one-token forward: measured on this
+        row's own prefill (timed policies), else the calibrated 17-token forward's share, an
+        upper bound."""
+        backlog, costs = getattr(self.drafter, "backlog", 0), self.lengths.costs
+        if (self.stats.drafted or backlog < CATCH_UP_MIN or not costs.draft_per_token
+                or self.req.max_tokens is None):  # no limit: any lasting gain repays it
+            return True
+        share = costs.verify[-1] / len(costs.verify) / costs.verify[0]  # a prompt token / a step
+        tokens, seconds = self.prefill_time
+        if self.lengths.timed and tokens >= CATCH_UP_MIN:
+            share = min(share, seconds / tokens / (costs.verify[0] * (self.lengths.scale or 1.0)))
+        left = self.req.max_tokens - len(self.out)
+        return left * self.lengths.seconds(0) * (1 - 1 / gain) > backlog * costs.draft_per_token * share
 
     # ---- the end -----------------------------------------------------------------------
     def settle(self, seen: int | None = None) -> None:

@@ -30,6 +30,9 @@ class SpecStats:
     chosen_k: list[int] = field(default_factory=list)  # draft length chosen at each verify step
     batch_sizes: list[int] = field(default_factory=list)  # rows verified together at each step
     tree_steps: int = 0  # verify steps whose draft was a tree (verified whole)
+    # Why the request stopped drafting for good, if it did: "backlog" when its drafter's first
+    # read of the prompt would have cost more than drafting could save in the tokens left.
+    plain_reason: str | None = None
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
     _pos_accepted: list[int] = field(default_factory=list, repr=False)

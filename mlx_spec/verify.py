@@ -78,6 +78,7 @@ def prefill(model, row, limit: int | None = None) -> tuple[int, mx.array] | None
     if row.consumed == 0:
         row.progress(0, total)
     while row.consumed < total - 1 and budget > 0:
+        tic = time.perf_counter()
         chunk = list(prompt[row.consumed : min(row.consumed + req.prefill_step_size, total - 1,
                                                 row.consumed + budget)])
         model(mx.array(chunk, mx.uint32)[None], cache=row.cache)
@@ -85,6 +86,8 @@ def prefill(model, row, limit: int | None = None) -> tuple[int, mx.array] | None
         req.quantize_cache(row.cache)
         mx.eval([c.state for c in row.cache], row.prompt_taps[-1])
         row.fed(chunk)
+        row.prefill_time[0] += len(chunk)
+        row.prefill_time[1] += time.perf_counter() - tic
         budget -= len(chunk)
         row.progress(row.consumed, total)
         mx.clear_cache()

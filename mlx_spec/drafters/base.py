@@ -98,6 +98,11 @@ class Drafter(Protocol):
       for all their rows at once with `type(d).propose_together(drafters, ys, ks,
       samplings, keys)`, which must leave each drafter exactly as its own `propose` would
       have (the draft model: one batched forward per depth instead of one per row).
+    * **Optional `backlog`**: committed tokens (the prompt too) a drafter has queued and
+      will read before its next proposal (the draft model reads lazily; a backlog of
+      more than `PREFILL_CHUNK` tokens is read in evaluated chunks, once, not lazily).
+      The loop weighs reading it against what drafting can still save, and decodes the
+      request plainly when it does not pay (`Row.drafting_pays`).
     * **Optional `save_state()` / `restore_state(state)`** (`SavesState`): an independent
       copy of everything committed, taken between steps, and its restoration. With
       them a drafter continues a conversation held in a reused prompt cache, reading

@@ -1,7 +1,8 @@
 """A small language model with the target's tokenizer as the drafter.
 
 It keeps its own (rollback-capable) cache. `propose` feeds the committed tokens
-it has not seen yet plus y, then chains k steps, each sampling on device from
+it has not seen yet (the prompt too: it is read at the first proposal, so a request
+that never drafts never pays for it) plus y, then chains k steps, each sampling on device from
 its own filtered distribution `q` (argmax when greedy): k lazy steps, no host
 sync, so the draft joins the step's single graph. After verification it trims
 its cache to the committed prefix; a fully accepted block leaves d[k-1]
@@ -31,6 +32,7 @@ from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, pick, vocab_size
 
 log = logging.getLogger("mlx_spec")
+CATCH_UP_TOGETHER = 16  # queued tokens a row brings into a batched proposal; more are read alone first
 
 
 class DraftModelDrafter(SavesState):
@@ -99,13 +101,26 @@ class DraftModelDrafter(SavesState):
         return logits
 
     def prefill(self, tokens: Sequence[int], taps) -> None:
-        tokens = self._pending + list(tokens)  # after restore_state, queued tokens come first
-        for i in range(0, max(len(tokens) - 1, 0), PREFILL_CHUNK):
-            self.model(mx.array(tokens[i : min(i + PREFILL_CHUNK, len(tokens) - 1)])[None], cache=self.cache)
+        """Queue the prompt: the draft reads it when it first drafts (`backlog`), so a request
+        whose policy never drafts (a short answer to a long prompt) never pays for it."""
+        self._pending += list(tokens)  # after restore_state, queued tokens come first
+
+    @property
+    def backlog(self) -> int:
+        """Committed tokens the draft model has not read yet (fed before its next proposal)."""
+        return len(self._pending)
+
+    def _catch_up(self, leave: int) -> None:
+        """Feed all but the last `leave` queued tokens now, in chunks evaluated one by one
+        (bounded memory); the rest go in with the next proposal's own forward."""
+        while len(self._pending) > leave:
+            n = min(PREFILL_CHUNK, len(self._pending) - leave)
+            self.model(mx.array(self._pending[:n])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-        self._pending = tokens[-1:]
+            self._pending = self._pending[n:]
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        self._catch_up(PREFILL_CHUNK)
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows = [], None
@@ -153,6 +168,8 @@ class DraftModelDrafter(SavesState):
         split per draw as MLX's global stream is, so a seeded row draws what it would alone.
         """
         first, B = drafters[0], len(drafters)
+        for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
+            d._catch_up(CATCH_UP_TOGETHER)
         fed = [d._pending + [y] for d, y in zip(drafters, ys)]
         for d, f, k in zip(drafters, fed, ks):
             d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k

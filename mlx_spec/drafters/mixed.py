@@ -44,6 +44,10 @@ class MixedDrafter:
     def model(self):  # the adaptive policy charges a draft model's per-token cost
         return next((d.model for d in self.drafters if getattr(d, "model", None) is not None), None)
 
+    @property
+    def backlog(self) -> int:  # tokens its members must read before they draft (`DraftModelDrafter`)
+        return sum(getattr(d, "backlog", 0) for d in self.drafters)
+
     def _taps_for(self, drafter, taps: dict | None) -> dict | None:
         return None if taps is None or not drafter.taps else {t: taps[t] for t in drafter.taps}
 

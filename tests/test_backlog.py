@@ -1,0 +1,96 @@
+"""A draft model reads the prompt when it first drafts (its `backlog`), and a request whose
+drafting cannot repay that read decodes plainly from its first step (`Row.drafting_pays`):
+a short answer to a long prompt no longer pays for the draft model's prefill. Lossless
+either way."""
+
+from types import SimpleNamespace
+
+import pytest
+
+import mlx_spec
+import tiny
+from mlx_spec import BatchDecoder, DraftModelDrafter, adaptive, batch_policy
+from mlx_spec.adaptive import AdaptiveK, CostModel, model_key
+from mlx_spec.rows import Row
+from runs import mlx_lm_greedy as reference
+from test_batch import drain
+
+PROMPT = [(7 * i + 3) % 90 + 4 for i in range(200)]  # long, nothing for a model to copy
+VERIFY = [1.0 + 0.05 * n for n in range(17)]  # verify cost of n = 1..17 tokens (1.0 .. 1.8)
+DRAFT_TOKEN = 0.1  # a draft model's one-token forward, in the same units
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    """A target and a draft model whose costs are fixed curves: drafting pays a little per
+    token (the prior's expected gain about 1.2), the prompt read costs 200 * 0.1 * 1.8/17."""
+    target, draft = tiny.llama_model(seed=4), tiny.llama_model(seed=4, layers=1)
+    monkeypatch.setattr(adaptive, "_CURVES", {
+        model_key(target): VERIFY, model_key(draft): [DRAFT_TOKEN],
+        model_key(target) + ":wide": [1.8 + 0.05 * (w - 17) for w in batch_policy.WIDE]})
+    return target, draft
+
+
+@pytest.mark.parametrize("max_tokens, drafts", [(4, False), (60, True)])
+def test_a_request_drafts_only_when_reading_the_prompt_pays(pair, max_tokens, drafts):
+    target, draft = pair
+    drafter = DraftModelDrafter(draft)
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, drafter, max_tokens=max_tokens,
+                                        seed=1))  # seeded: the policy reads calibrated costs only
+    stats = out[-1].stats
+    assert [r.token for r in out] == reference(target, PROMPT, max_tokens)
+    assert (stats.drafted > 0) is drafts and (stats.plain_reason == "backlog") is (not drafts)
+    if not drafts:  # the draft model never ran: the prompt still waits in its queue
+        assert drafter.cache[0].offset == 0 and drafter.backlog >= len(PROMPT)
+
+
+def test_in_a_batch_each_row_weighs_its_own_backlog(pair):
+    """Two rows on one prompt: the short one decodes plainly, the long one drafts beside it."""
+    target, draft = pair
+    base = DraftModelDrafter(draft)
+    decoder = BatchDecoder(target, tiny.tokenizer(), max_batch=2)
+    uids = [decoder.add(PROMPT, base.fork(), max_tokens=n, seed=1) for n in (4, 40)]
+    out, widths = drain(decoder)
+    assert max(widths) == 2
+    assert out[uids[0]] == reference(target, PROMPT, 4) and out[uids[1]] == reference(target, PROMPT, 40)
+    short, long = (decoder.last_stats[u] for u in uids)
+    assert short.plain_reason == "backlog" and short.drafted == 0
+    assert long.plain_reason is None and long.drafted > 0
+
+
+def test_a_timed_row_weighs_the_read_at_its_own_measured_prefill_speed():
+    """The calibrated 17-token forward (1.8/17 of a step a token) is an upper bound on what
+    a prompt token costs; a row whose own prefill ran at 1/100 of a step a token uses that."""
+    policy = AdaptiveK(CostModel(VERIFY, DRAFT_TOKEN), 4)
+
+    def pays(timed: bool, prefill_time, left: int | None = 10) -> bool:
+        policy.timed = timed
+        row = SimpleNamespace(drafter=SimpleNamespace(backlog=200), lengths=policy, prefill_time=prefill_time,
+                              stats=SimpleNamespace(drafted=0), req=SimpleNamespace(max_tokens=left), out=[])
+        return Row.drafting_pays(row, 1.2)  # saves 10 * 1/6 of a step; the read: 2.1 or 0.2
+
+    assert not pays(True, [0, 0.0]) and not pays(False, [200, 2.0])  # nothing measured; untimed
+    assert pays(True, [200, 2.0])
+    assert not pays(True, [200, 2.0], left=1)
+    assert pays(False, [0, 0.0], left=None)  # max_tokens=-1: no limit
+    row = SimpleNamespace(drafter=SimpleNamespace(backlog=200), lengths=policy, prefill_time=[0, 0.0],
+                          stats=SimpleNamespace(drafted=3), req=SimpleNamespace(max_tokens=2), out=[])
+    assert Row.drafting_pays(row, 1.01)  # once it has drafted, parking is the policy's business
+
+
+def test_a_backlog_longer_than_a_chunk_is_read_in_pieces_alone_and_together():
+    """A 700-token prompt: the draft model reads it in evaluated chunks, alone and beside a
+    short row drafting with the same model; every row still gets the target's own output."""
+    target, draft = tiny.llama_model(seed=4), tiny.llama_model(seed=4, layers=1)
+    long = [(5 * i + 1) % 90 + 4 for i in range(700)]
+    alone = DraftModelDrafter(draft)
+    got = [r.token for r in mlx_spec.stream_generate(target, tiny.tokenizer(), long, alone, max_tokens=12,
+                                                      num_draft_tokens=3)]
+    assert got == reference(target, long, 12) and alone.backlog <= 3
+    decoder = BatchDecoder(target, tiny.tokenizer(), max_batch=2)
+    base = DraftModelDrafter(draft)
+    prompts = [long, PROMPT[:20]]
+    uids = [decoder.add(p, base.fork(), max_tokens=12, num_draft_tokens=3) for p in prompts]
+    out, widths = drain(decoder)
+    assert max(widths) == 2 and all(decoder.last_stats[u].drafted > 0 for u in uids)
+    assert all(out[u] == reference(target, p, 12) for u, p in zip(uids, prompts))
