@@ -291,6 +291,9 @@ def _summary(s, drafter, args, empty: bool) -> None:
     name = type(drafter).__name__ if drafter is not None else "no drafter"
     print(f"Speculation: tau {s.tau:.2f} tokens per target forward, acceptance "
           f"{s.acceptance_rate:.1%} ({name}, draft length {args.num_draft_tokens})")
+    if s.plain_reason == "backlog":
+        print("Decoded plainly: reading the prompt into the draft model would have cost more than "
+              "drafting could save in the tokens asked for (--max-tokens)")
     if args.verbose is True:
         per_pos = " ".join(f"{a:.2f}" for a in s.accepted_per_position)
         print(f"Accepted per draft position: {per_pos or '-'}")

@@ -94,3 +94,13 @@ def test_a_backlog_longer_than_a_chunk_is_read_in_pieces_alone_and_together():
     out, widths = drain(decoder)
     assert max(widths) == 2 and all(decoder.last_stats[u].drafted > 0 for u in uids)
     assert all(out[u] == reference(target, p, 12) for u, p in zip(uids, prompts))
+
+
+def test_the_cli_summary_says_why_nothing_was_drafted(capsys):
+    from mlx_spec import generate_cli
+    from mlx_spec.stats import SpecStats
+
+    args = SimpleNamespace(num_draft_tokens="auto", verbose=None)
+    for reason in (None, "backlog"):
+        generate_cli._summary(SpecStats(plain_reason=reason), None, args, empty=False)
+        assert ("Decoded plainly: reading the prompt" in capsys.readouterr().out) is (reason is not None)
