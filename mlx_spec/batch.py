@@ -58,7 +58,7 @@ class BatchDecoder:
             tokenizer = TokenizerWrapper(tokenizer)
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
-        self.waiting: list[Row] = []  # added, prompt not (fully) in yet; FIFO
+        self.waiting: list[Row] = []  # added, prompt not (fully) in yet; in order (`_next_waiting`)
         self.active: list[Row] = []  # decoding; merged into `self.batch` when more than one
         self.done: dict = {}  # finished rows the caller has not released yet
         self.batch: list | None = None
@@ -117,19 +117,21 @@ class BatchDecoder:
         events, decoding = [], bool(self.active)
         self.width = 0  # rows verified together in this step
         with mx.stream(generation_stream):
-            while self.waiting and self._room_for(self.waiting[0]):
-                row = self.waiting[0]
+            while (row := self._next_waiting()) is not None:
                 try:
                     first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
                         first = row.prefilled(*first)
                 except BaseException:
-                    self.waiting.pop(0)
+                    self.waiting.remove(row)
                     self.done[row.uid] = row
                     raise
                 if first is None:
                     break
-                self.waiting.pop(0)
+                i = self.waiting.index(row)
+                for earlier in self.waiting[:i]:  # rows it passed
+                    earlier.passed += 1
+                self.waiting.pop(i)
                 events.append((row.uid, first))
                 self._start(row) if row.finish is None else self._finish(row)
                 if decoding:
@@ -137,6 +139,17 @@ class BatchDecoder:
             if self.active:
                 events += self._verify()
         return events
+
+    def _next_waiting(self) -> Row | None:
+        """The waiting row to prefill next: the first that can join the batch. A row that
+        cannot (another cache kind) is passed by the rows behind it that can, by at most
+        `max_batch` of them; then nothing passes it, the batch drains and it starts."""
+        for row in self.waiting:
+            if self._room_for(row):
+                return row
+            if len(self.active) >= self.max_batch or row.passed >= self.max_batch:
+                return None
+        return None
 
     def _room_for(self, row: Row) -> bool:
         if not self.active:
@@ -147,7 +160,8 @@ class BatchDecoder:
             self._said_solo = True
             log.info("these requests cannot decode in one batch (a cache that is not KV, window "
                      "or recurrent, will be quantized later, or differs from the batch's: kv_bits, "
-                     "max_kv_size); a request waits for the batch in front of it")
+                     "max_kv_size); a request waits for the batch in front of it, passed by "
+                     "requests that can join it")
         return not solo and len(self.active) < self.max_batch
 
     def _kind(self, row: Row):

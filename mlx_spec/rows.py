@@ -72,6 +72,7 @@ class Row:
         self.settled = False  # released: its drafter and prompt cache are free again
         self.claimed: list = []
         self.sync_seconds = 0.0
+        self.passed = 0  # rows that joined a batch this waiting row could not join, ahead of it
         self.prefill_time = [0, 0.0]  # prompt tokens the target read in chunks, and their seconds
         self.tic = time.perf_counter()
 

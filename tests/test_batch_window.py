@@ -132,6 +132,40 @@ def test_rows_of_other_window_sizes_are_served_one_at_a_time():
     assert max(widths) == 2 and widths[-1] == 1  # the two rows of 12, then the row of 16
 
 
+def test_rows_pass_a_row_that_cannot_join_but_only_max_batch_of_them():
+    """A row of another window size waits for the batch; rows behind it that can join start
+    before it (no head-of-line blocking), but at most `max_batch` of them: then the batch
+    drains and it starts (no starvation). Every row still gets mlx-lm's own output."""
+    from mlx_lm.generate import generate_step
+
+    model, sizes, lengths = sink_model(), (12, 16, 12, 12, 12), (4, 8, 40, 8, 8)  # row 2 outlives row 0
+    prompts = [PROMPTS[i % 3] for i in range(len(sizes))]
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
+    uids = [decoder.add(p, NGramDrafter(min_n=1), max_tokens=n, max_kv_size=size)
+            for p, size, n in zip(prompts, sizes, lengths)]
+    starts = []
+    out, _ = drain(decoder, collect=_Starts(starts))
+    assert starts == [uids[i] for i in (0, 2, 3, 1, 4)]
+    for u, p, size, n in zip(uids, prompts, sizes, lengths):
+        assert out[u] == [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=n, max_kv_size=size)]
+
+
+class _Starts(dict):
+    """`drain`'s collector that records the order in which rows emit their first token."""
+
+    def __init__(self, starts: list):
+        super().__init__()
+        self.starts = starts
+
+    def __bool__(self):  # (drain takes an empty collector for none)
+        return True
+
+    def setdefault(self, uid, default):
+        if uid not in self:
+            self.starts.append(uid)
+        return super().setdefault(uid, default)
+
+
 # (kept positions per row per block, seed); blocks of 6 and 6 of them: 36 positions > window 8
 blocks = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3), st.integers(0, 99)),
                   min_size=1, max_size=6)
