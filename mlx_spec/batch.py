@@ -34,9 +34,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
 from .adaptive import calibration_seconds
-from .cache import MAX_DRAFT, is_recurrent, prepare_cache
+from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
-from .batch_policy import plain_next
+from .batch_policy import choose_lengths, draft_lengths, plain_next
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter
@@ -177,7 +177,7 @@ class BatchDecoder:
         self.flight = None
 
     def _start(self, row: Row) -> None:
-        row.lengths = _draft_lengths(self.model, row, is_recurrent(row.cache))
+        row.lengths = draft_lengths(self.model, row, is_recurrent(row.cache))
         self._land()
         if self.active:
             for r in (row, self.active[0]) if self.batch is None else (row,):
@@ -324,34 +324,6 @@ def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
     return drafts
 
 
-def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
-    """Each row's draft length for this step: its own policy alone, the batch's choice together.
-    A row whose drafter's first read of its backlog would cost more than drafting can save
-    decodes plainly from here on (`Row.drafting_pays`). On a sharded target every rank takes
-    rank 0's choices (timings differ between ranks)."""
-    if len(rows) == 1:
-        choices = [rows[0].lengths.choose()]
-    else:
-        from .batch_policy import choose_for_batch
-
-        choices = choose_for_batch(model, [r.lengths for r in rows])
-    if all(isinstance(r.lengths, FixedK) for r in rows):
-        return choices
-    from .distributed import agree_lengths
-
-    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain)
-                                    else (k, gain) for row, (k, gain) in zip(rows, choices)])
-    for row, (k, _) in zip(rows, choices):
-        if k < 0:
-            if not row.stats.plain_reason:
-                log.info("request %s decodes plainly: its drafter would first read %d tokens, which "
-                         "costs more than drafting can save in the %d tokens left", row.uid,
-                         row.drafter.backlog, row.req.max_tokens - len(row.out))
-            row.stats.plain_reason = "backlog"
-            row.lengths = FixedK(0)
-    return [(max(k, 0), gain) for k, gain in choices]
-
-
 def _plain_next(model, rows: list[Row]) -> bool:
     """Whether the next step will be plain too (so it can be queued now): no row drafts, or
     drafting is parked with no probe due by then (a lone row's own policy; a batch's is
@@ -376,34 +348,3 @@ def _trimmed(model, rows: list[Row], drafts: list) -> list:
                   None if d.length is None else mx.minimum(d.length, n),
                   None if d.parents is None else d.parents[:n])  # (a tree's first n nodes: a tree)
             for d, n in zip(drafts, keep)]
-
-
-class FixedK:
-    """The same draft length every step (0: plain decoding)."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def choose(self) -> tuple[int, None]:
-        return self.k, None
-
-    def observe(self, proposed: int, accepted: int, seconds: float | None) -> None:
-        pass
-
-    def offered(self, asked: int, proposed: int) -> None:
-        pass
-
-
-def _draft_lengths(model, row: Row, recurrent: bool):
-    drafter, req = row.drafter, row.req
-    if drafter is None:
-        return FixedK(0)
-    k_max = min(drafter.max_draft, MAX_DRAFT)
-    if req.num_draft_tokens == "auto":
-        from .adaptive import policy_for
-
-        policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
-                            seeded=req.seed is not None)
-        policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
-        return policy
-    return FixedK(min(req.num_draft_tokens, k_max))

@@ -13,6 +13,11 @@ they actually proposed (`trim_drafts`): rows whose drafter has nothing to propos
 plainly. While drafting does not pay, the batch probes with one token now and then, at
 intervals that grow while probes keep nothing (and shrink when they keep tokens),
 and only on a step where some row has something to propose.
+
+Each row's own policy (`draft_lengths`: `AdaptiveK` for auto, `FixedK` otherwise) and
+this step's lengths for every row (`choose_lengths`, one row or many) are here too,
+including the one-time check that a drafter's first read of its backlog pays
+(`Row.drafting_pays`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from pathlib import Path
 from . import adaptive
 from .adaptive import (
     EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, _read_curve, _write_curve,
-    after_plain, measure_verify_seconds, model_key, write_json,
+    after_plain, measure_verify_seconds, model_key, policy_for, write_json,
 )
+from .cache import MAX_DRAFT
 from .identity import IdentityMap
 
 log = logging.getLogger("mlx_spec")
@@ -288,3 +294,71 @@ def observe_batch(model, policies: list, ks: list[int], seconds: float) -> None:
     width = 1 + max(ks)
     costs.observe(len(policies), width, _seconds(model, policies, ks, None), seconds)
 
+
+# ---- each row's policy, and this step's lengths -------------------------------------
+
+class FixedK:
+    """The same draft length every step (0: plain decoding)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> tuple[int, None]:
+        return self.k, None
+
+    def observe(self, proposed: int, accepted: int, seconds: float | None) -> None:
+        pass
+
+    def offered(self, asked: int, proposed: int) -> None:
+        pass
+
+
+def draft_lengths(model, row: Row, recurrent: bool):
+    drafter, req = row.drafter, row.req
+    if drafter is None:
+        return FixedK(0)
+    k_max = min(drafter.max_draft, MAX_DRAFT)
+    if req.num_draft_tokens == "auto":
+        policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
+                            seeded=req.seed is not None)
+        policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
+        return policy
+    return FixedK(min(req.num_draft_tokens, k_max))
+
+
+def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
+    """Each row's draft length for this step: its own policy alone, the batch's choice together.
+    A row whose drafter's first read of its backlog would cost more than drafting can save
+    decodes plainly from here on (`Row.drafting_pays`). On a sharded target every rank takes
+    rank 0's choices (timings differ between ranks)."""
+    if len(rows) == 1:
+        choices = [rows[0].lengths.choose()]
+    else:
+        choices = choose_for_batch(model, [r.lengths for r in rows])
+    if all(isinstance(r.lengths, FixedK) for r in rows):
+        return choices
+    from .distributed import agree_lengths
+
+    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain)
+                                    else (k, gain) for row, (k, gain) in zip(rows, choices)])
+    for row, (k, _) in zip(rows, choices):
+        if k < 0:
+            row.lengths = _without_backlog(model, row)
+    return [(max(k, 0), gain) for k, gain in choices]
+
+
+def _without_backlog(model, row: Row):
+    """The policy of a row whose drafter's read of its backlog does not pay: a mixed drafter
+    goes on with the member that has nothing to read (n-gram), under that member's own
+    policy; any other row decodes plainly to the end."""
+    what = (f"request {row.uid}: reading {row.drafter.backlog} tokens into the draft model costs more "
+            f"than drafting can save in the {row.req.max_tokens - len(row.out)} tokens left")
+    rest = getattr(row.drafter, "shed", lambda: None)()
+    if rest is None:
+        log.info("%s; it decodes plainly", what)
+        row.stats.plain_reason = "backlog"
+        return FixedK(0)
+    log.info("%s; it drafts with %s alone", what, type(rest).__name__)
+    row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)
+    return policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,
+                      sampling=row.req.sampling, seeded=row.req.seed is not None)

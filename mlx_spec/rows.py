@@ -72,6 +72,7 @@ class Row:
         self.settled = False  # released: its drafter and prompt cache are free again
         self.claimed: list = []
         self.sync_seconds = 0.0
+        self.policy_owner = None  # the drafter `lengths` is the policy of, when not `drafter`
         self.passed = 0  # rows that joined a batch this waiting row could not join, ahead of it
         self.prefill_time = [0, 0.0]  # prompt tokens the target read in chunks, and their seconds
         self.tic = time.perf_counter()
@@ -209,7 +210,8 @@ class Row:
         from .adaptive import AdaptiveK, policy_file, save_learned
 
         if isinstance(self.lengths, AdaptiveK) and self.lengths.timed and self.stats.target_forwards:
-            save_learned(self.lengths, policy_file(self.model, self.drafter, self.req.sampling))
+            owner = self.policy_owner or self.drafter
+            save_learned(self.lengths, policy_file(self.model, owner, self.req.sampling))
 
     def _finish_cache(self, seen: int) -> None:
         want = len(self.req.prompt) + len(self.out)

@@ -58,6 +58,21 @@ def test_in_a_batch_each_row_weighs_its_own_backlog(pair):
     assert long.plain_reason is None and long.drafted > 0
 
 
+def test_a_mixed_drafter_whose_model_half_does_not_pay_drafts_with_its_ngram_half(pair):
+    """n-gram + draft model on a short answer to a long prompt: the draft model's read does not
+    pay, so the draft model never runs, and prompt lookup (nothing to read) drafts alone."""
+    target, draft = pair
+    mixed = mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(min_n=1), DraftModelDrafter(draft))
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, mixed, max_tokens=10, seed=1))
+    stats = out[-1].stats
+    assert [r.token for r in out] == reference(target, PROMPT, 10)
+    assert stats.plain_reason is None and stats.drafted > 0
+    assert mixed.drafters[1].cache[0].offset == 0  # the draft model never ran
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, mixed, max_tokens=60, seed=1))
+    assert mixed.drafters[1].cache[0].offset > len(PROMPT)  # a long answer: both halves draft
+    assert [r.token for r in out] == reference(target, PROMPT, 60)
+
+
 def test_a_timed_row_weighs_the_read_at_its_own_measured_prefill_speed():
     """The calibrated 17-token forward (1.8/17 of a step a token) is an upper bound on what
     a prompt token costs; a row whose own prefill ran at 1/100 of a step a token uses that."""

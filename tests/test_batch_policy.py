@@ -13,7 +13,7 @@ import pytest
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, adaptive, batch_policy
-from mlx_spec.batch import FixedK
+from mlx_spec.batch_policy import FixedK
 from mlx_spec.taps import SeeThrough, decoder_stack
 from mlx_spec.drafters.base import EMPTY
 from runs import mlx_lm_greedy as reference

@@ -28,6 +28,7 @@ class MixedDrafter:
         if len(drafters) < 2:
             raise ValueError("MixedDrafter needs two drafters or more")
         self.drafters = list(drafters)
+        self.proposing = list(drafters)  # the members that propose (all, unless `shed`)
 
     @property
     def taps(self) -> tuple:
@@ -46,12 +47,24 @@ class MixedDrafter:
 
     @property
     def backlog(self) -> int:  # tokens its members must read before they draft (`DraftModelDrafter`)
-        return sum(getattr(d, "backlog", 0) for d in self.drafters)
+        return sum(getattr(d, "backlog", 0) for d in self.proposing)
+
+    def shed(self):
+        """Stop proposing with the members that have a backlog to read (the loop found the
+        read does not pay, `Row.drafting_pays`); they are still told what is committed. Returns
+        the one member left proposing (its policy is the request's from here), or None when
+        no member or several are left."""
+        rest = [d for d in self.proposing if not getattr(d, "backlog", 0)]
+        if len(rest) != 1:
+            return None
+        self.proposing = rest
+        return rest[0]
 
     def _taps_for(self, drafter, taps: dict | None) -> dict | None:
         return None if taps is None or not drafter.taps else {t: taps[t] for t in drafter.taps}
 
     def bind(self, model, tokenizer) -> None:
+        self.proposing = list(self.drafters)
         for d in self.drafters:
             d.bind(model, tokenizer)
 
@@ -60,7 +73,7 @@ class MixedDrafter:
             d.prefill(tokens, self._taps_for(d, taps))
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        drafts = [d.propose(y, min(k, d.max_draft), sampling) for d in self.drafters]
+        drafts = [d.propose(y, min(k, d.max_draft), sampling) for d in self.proposing]
         found = [d for d in drafts if d.size]
         if not found:
             return EMPTY
