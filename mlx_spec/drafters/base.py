@@ -99,8 +99,8 @@ class Drafter(Protocol):
       samplings, keys)`, which must leave each drafter exactly as its own `propose` would
       have (the draft model: one batched forward per depth instead of one per row).
     * **Optional `backlog`**: committed tokens (the prompt too) a drafter has queued and
-      will read before its next proposal (the draft model reads lazily; a backlog of
-      more than `PREFILL_CHUNK` tokens is read in evaluated chunks, once, not lazily).
+      will read before its next proposal (the draft model reads the prompt at its first
+      proposal, in evaluated chunks: that proposal syncs with the host once per chunk).
       The loop weighs reading it against what drafting can still save, and decodes the
       request plainly when it does not pay (`Row.drafting_pays`).
     * **Optional `save_state()` / `restore_state(state)`** (`SavesState`): an independent

@@ -32,7 +32,7 @@ from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, pick, vocab_size
 
 log = logging.getLogger("mlx_spec")
-CATCH_UP_TOGETHER = 16  # queued tokens a row brings into a batched proposal; more are read alone first
+CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
 
 
 class DraftModelDrafter(SavesState):
@@ -110,17 +110,20 @@ class DraftModelDrafter(SavesState):
         """Committed tokens the draft model has not read yet (fed before its next proposal)."""
         return len(self._pending)
 
-    def _catch_up(self, leave: int) -> None:
-        """Feed all but the last `leave` queued tokens now, in chunks evaluated one by one
-        (bounded memory); the rest go in with the next proposal's own forward."""
-        while len(self._pending) > leave:
-            n = min(PREFILL_CHUNK, len(self._pending) - leave)
-            self.model(mx.array(self._pending[:n])[None], cache=self.cache)
+    def _catch_up(self) -> None:
+        """A backlog of more than `CATCH_UP` tokens (the prompt) is read now, in chunks of
+        which only the cache is evaluated (their logits are never computed: a 150k-token LM
+        head over a whole prompt would cost more than the rest); a shorter one goes in with
+        the next proposal's own forward."""
+        if len(self._pending) <= CATCH_UP:
+            return
+        for i in range(0, len(self._pending), PREFILL_CHUNK):
+            self.model(mx.array(self._pending[i : i + PREFILL_CHUNK])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
-            self._pending = self._pending[n:]
+        self._pending = []
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        self._catch_up(PREFILL_CHUNK)
+        self._catch_up()
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows = [], None
@@ -169,7 +172,7 @@ class DraftModelDrafter(SavesState):
         """
         first, B = drafters[0], len(drafters)
         for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
-            d._catch_up(CATCH_UP_TOGETHER)
+            d._catch_up()
         fed = [d._pending + [y] for d, y in zip(drafters, ys)]
         for d, f, k in zip(drafters, fed, ks):
             d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k
