@@ -2,6 +2,7 @@
 
     python scripts/batch_bench.py [--model smollm2-135m-instruct] [--draft-model NAME]
         [--suites code-edit,chat] [--streams 1,2,4,8] [--max-tokens 64] [--rounds 2] [--plain]
+        [--branches N]
 
 For each suite and number of concurrent streams c, the same c prompts (greedy) go through
   * mlx-lm    mlx_lm.generate.batch_generate: continuous batching, no speculation;
@@ -9,6 +10,8 @@ For each suite and number of concurrent streams c, the same c prompts (greedy) g
               cannot batch speculation does);
   * spec-B    mlx-spec's BatchDecoder: all c rows verified together, each with its own draft.
 With `--plain` mlx-spec runs without a drafter: its batching alone against mlx-lm's.
+With `--branches N` (N >= 2) a fourth method, spec-T, is spec-B with draft trees (the
+drafter's N-branch trees, `auto` choosing each step how much of each tree to verify).
 The three run interleaved in every round (the machine is shared and noisy; ratios taken in
 one run mean more than absolute times). Printed per cell: total tokens/s summed over streams
 (median over rounds), mean per-stream latency (seconds until a stream's last token), and
@@ -37,6 +40,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-draft-tokens", default="auto")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--branches", type=int, default=1, help="also spec-T: spec-B with N-branch draft trees")
     args = p.parse_args()
 
     import mlx_spec
@@ -44,15 +48,22 @@ def main() -> int:
     from mlx_spec.generate_cli import resolve_model
 
     model, tok = mlx_spec.load(resolve_model(args.model))
-    if args.plain:
-        template = None
-    elif args.draft_model:
+    if args.draft_model:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        template = mlx_spec.DraftModelDrafter(draft, draft_tok)
-    else:
-        template = mlx_spec.NGramDrafter()
+
+    def drafter(branches: int):
+        if args.plain:
+            return None
+        if args.draft_model:
+            return mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches)
+        return mlx_spec.NGramDrafter(branches=branches)
+
+    template = drafter(1)
     k = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
-    methods = {"mlx-lm": run_mlx_lm, "spec-1": run_one_by_one, "spec-B": run_batched}
+    methods = {"mlx-lm": (run_mlx_lm, template), "spec-1": (run_one_by_one, template),
+               "spec-B": (run_batched, template)}
+    if args.branches > 1 and not args.plain:
+        methods["spec-T"] = (run_batched, drafter(args.branches))
     print(f"model {args.model}, drafter {type(template).__name__ if template else None}, {args.max_tokens} tokens a stream, "
           f"k {k}, {args.rounds} rounds")
     print(f"{'suite':10s} {'streams':>7s} " + " ".join(f"{m + ' tok/s':>13s} {'lat s':>6s}" for m in methods)
@@ -65,19 +76,24 @@ def main() -> int:
             lats = {m: [] for m in methods}
             outs = {}
             for _ in range(args.rounds + 1):  # round 0 warms up (calibration, caches)
-                for name, fn in methods.items():
+                for name, (fn, made) in methods.items():
                     tic = time.perf_counter()
-                    tokens, done = fn(model, tok, prompts, template, args.max_tokens, k)
+                    tokens, done = fn(model, tok, prompts, made, args.max_tokens, k)
                     wall = time.perf_counter() - tic
                     rates[name].append(sum(len(t) for t in tokens) / wall)
+                    if name == "spec-T":
+                        tree_steps = sum(TREE_STEPS)
+                    TREE_STEPS.clear()
                     lats[name].append(statistics.mean(d - tic for d in done))
                     outs[name] = tokens
             row = " ".join(f"{statistics.median(rates[m][1:]):13.2f} {statistics.median(lats[m][1:]):6.2f}"
                            for m in methods)
-            same = outs["mlx-lm"] == outs["spec-1"] == outs["spec-B"]
+            same = all(out == outs["mlx-lm"] for out in outs.values())
             best = max(statistics.median(rates[m][1:]) for m in ("mlx-lm", "spec-1"))
+            trees = (f"  spec-T/spec-B {statistics.median(rates['spec-T'][1:]) / statistics.median(rates['spec-B'][1:]):5.2f}x"
+                     f" ({tree_steps} tree steps in spec-T's last round)" if "spec-T" in rates else "")
             print(f"{suite:10s} {c:7d} {row}  {'yes' if same else 'NO':4s}  "
-                  f"{statistics.median(rates['spec-B'][1:]) / best:5.2f}x", flush=True)
+                  f"{statistics.median(rates['spec-B'][1:]) / best:5.2f}x{trees}", flush=True)
     return 0
 
 
@@ -108,6 +124,9 @@ def run_one_by_one(model, tok, prompts, template, max_tokens, k):
     return tokens, done
 
 
+TREE_STEPS: list[int] = []  # per finished batched row: its steps that verified a whole tree
+
+
 def run_batched(model, tok, prompts, template, max_tokens, k):
     import mlx_spec
 
@@ -119,6 +138,7 @@ def run_batched(model, tok, prompts, template, max_tokens, k):
             tokens[uid] += [r.token for r in block]
             if block and block[-1].finish_reason is not None:
                 done[uid] = time.perf_counter()
+                TREE_STEPS.append(block[-1].stats.tree_steps)
                 decoder.release(uid)
     return [tokens[u] for u in uids], [done[u] for u in uids]
 
