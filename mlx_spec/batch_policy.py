@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import adaptive
 from .adaptive import (
@@ -33,6 +34,9 @@ from .adaptive import (
 )
 from .cache import MAX_DRAFT
 from .identity import IdentityMap
+
+if TYPE_CHECKING:
+    from .rows import Row
 
 log = logging.getLogger("mlx_spec")
 
