@@ -13,7 +13,7 @@ import lossless as L
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
-from mlx_spec.batch_cache import BatchCheckpoint, merge
+from mlx_spec.batch_cache import BatchCheckpoint, join, merge
 from runs import counted, mlx_lm_greedy as reference
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8],
@@ -33,6 +33,23 @@ def drain(decoder, collect=None):
                 decoder.last_stats[uid] = block[-1].stats
                 decoder.release(uid)
     return out, widths
+
+
+def run_blocks(model, solos, blocks, joiner, after, width: int):
+    """Rows 0 and 1 of `solos` merged, row 2 joining before block `joiner`: each block of
+    `width` random tokens a row verified at once and row i keeping the first keep[i] of them
+    (`blocks`: (keep, seed) pairs); `after(block, keep)` each time. Returns (batch, rows)."""
+    batch, rows = merge(solos[:2]), 2
+    for j, (keep, seed) in enumerate(blocks):
+        if j == joiner and rows == 2:
+            join(batch, solos[2])
+            rows = 3
+        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, width))
+        ckpt = BatchCheckpoint(batch, model)
+        model(mx.array(block), cache=batch)
+        ckpt.keep([block[i, : keep[i]].tolist() for i in range(rows)], width)
+        after(block, keep)
+    return batch, rows
 
 
 def batched_runs(model, cases, n: int, tokens: int = 5, vocab: int = 8) -> list:

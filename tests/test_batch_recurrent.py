@@ -13,9 +13,9 @@ import lossless as L
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
-from mlx_spec.batch_cache import BatchCheckpoint, extract, join, merge
+from mlx_spec.batch_cache import BatchCheckpoint, extract, merge
 from runs import mlx_lm_greedy as reference
-from test_batch import batched_runs, drain
+from test_batch import batched_runs, drain, run_blocks
 
 PROMPTS = [[3, 4], [5, 6, 7, 8, 9, 5, 6, 7], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8]]
 _model = {}
@@ -153,17 +153,12 @@ def test_ragged_recurrent_rollback_equals_each_rows_fresh_cache(blocks, lengths,
         c = mlx_spec.make_cache(model)
         model(mx.array([p]), cache=c)
         solos.append(c)
-    batch, rows = merge(solos[:2]), 2
-    for j, (keep, seed) in enumerate(blocks):
-        if j == joiner and rows == 2:
-            join(batch, solos[2])
-            rows = 3
-        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 5))
-        ckpt = BatchCheckpoint(batch, model)
-        model(mx.array(block), cache=batch)
-        ckpt.keep([block[i, : keep[i]].tolist() for i in range(rows)], 5)
-        for i in range(rows):
+
+    def fed(block, keep):
+        for i in range(len(block)):
             committed[i] += block[i, : keep[i]].tolist()
+
+    batch, rows = run_blocks(model, solos, blocks, joiner, fed, width=5)
     outs = [extract(batch, i) for i in range(rows)]
     got = np.array(model(mx.array([[7]] * rows), cache=batch)[:, -1])
     # float32 recurrences summed in another order (blocks, replays) against one forward: up to

@@ -13,11 +13,11 @@ import lossless as L
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
-from mlx_spec.batch_cache import BatchCheckpoint, extract, join, merge
+from mlx_spec.batch_cache import BatchCheckpoint, extract, merge
 from mlx_spec.batch_window import BatchWindowKVCache
 from mlx_spec.cache import Checkpoint, WindowKVCache, prepare_cache
 from runs import mlx_lm_greedy as reference
-from test_batch import batched_runs, drain
+from test_batch import batched_runs, drain, run_blocks
 
 WINDOW = 8
 # 2, 8 and 13 prompt tokens: one row starts past the window, one far inside it.
@@ -171,22 +171,6 @@ blocks = st.lists(st.tuples(st.lists(st.integers(0, 6), min_size=3, max_size=3),
                   min_size=1, max_size=6)
 
 
-def run_blocks(model, solos, blocks, joiner, after):
-    """Rows 0 and 1 merged, row 2 joining before block `joiner`: each block of 6 tokens a row
-    verified at once and row i keeping keep[i] of it; `after(block, keep)` each time."""
-    batch, rows = merge(solos[:2]), 2
-    for j, (keep, seed) in enumerate(blocks):
-        if j == joiner and rows == 2:
-            join(batch, solos[2])
-            rows = 3
-        block = np.random.default_rng(seed).integers(0, tiny.VOCAB, (rows, 6))
-        ckpt = BatchCheckpoint(batch)
-        model(mx.array(block), cache=batch)
-        ckpt.keep(keep[:rows], 6)
-        after(block, keep)
-    return batch, rows
-
-
 @settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(blocks=blocks, lengths=st.lists(st.integers(1, 14), min_size=3, max_size=3),
@@ -207,7 +191,7 @@ def test_ragged_window_rollback_equals_each_rows_fresh_cache(blocks, lengths, jo
         for i in range(len(block)):
             committed[i] += block[i, : keep[i]].tolist()
 
-    batch, rows = run_blocks(model, solos, blocks, joiner, fed)
+    batch, rows = run_blocks(model, solos, blocks, joiner, fed, width=6)
     probe = mx.array([[7]] * rows)
     outs = [extract(batch, i) for i in range(rows)]
     got = np.array(model(probe, cache=batch)[:, -1])
@@ -241,7 +225,7 @@ def test_ragged_sink_window_rollback_equals_each_rows_solo_cache(blocks, lengths
             model(mx.array(block[i : i + 1]), cache=solos[i])
             ckpt.keep(block[i, : keep[i]].tolist(), 6)
 
-    batch, rows = run_blocks(model, solos, blocks, joiner, alone)
+    batch, rows = run_blocks(model, solos, blocks, joiner, alone, width=6)
     assert batch[0].keep == 4
     outs = [extract(batch, i) for i in range(rows)]
     got = np.array(model(mx.array([[7]] * rows), cache=batch)[:, -1])
