@@ -327,9 +327,15 @@ def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
 def _plain_next(model, rows: list[Row]) -> bool:
     """Whether the next step will be plain too (so it can be queued now): no row drafts, or
     drafting is parked with no probe due by then (a lone row's own policy; a batch's is
-    `batch_policy`'s). A wrong guess costs the step queued (taken back), never a token."""
+    `batch_policy`'s). A wrong guess costs the step queued (taken back), never a token.
+    On a sharded target an adaptive row never queues ahead: the guess rests on each rank's own
+    timings, and a step queued on one rank and taken back would be a forward (with its
+    collectives) the other ranks never ran."""
     from .adaptive import AdaptiveK
+    from .distributed import shard_of
 
+    if shard_of(model) is not None and any(isinstance(r.lengths, AdaptiveK) for r in rows):
+        return False
     if len(rows) > 1:
         return plain_next(model, [r.lengths for r in rows])
     return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked_next() for r in rows)

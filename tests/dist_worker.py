@@ -114,6 +114,7 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
         if not (quick or noauto):
             result[f"ngram_auto{i}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter())
             result[f"tree_auto{i}"] = tree_auto(model, tok, prompt)
+            result[f"ahead_auto{i}"] = ahead_auto(model, tok, prompt)
         if not quick:
             result[f"draft_model{i}"] = tokens(model, tok, prompt,
                                                mlx_spec.DraftModelDrafter(draft_model, draft_tok),
@@ -156,6 +157,27 @@ def tree_auto(model, tok, prompt) -> tuple[list[int], int]:
     finally:
         ShapeChoice.pick, AdaptiveK.choose = real, choose
     return [r.token for r in out], out[-1].stats.tree_steps
+
+
+def ahead_auto(model, tok, prompt) -> tuple[list[int], int, int]:
+    """`auto` parking and probing on a fixed schedule (two plain steps, then a draft of 2),
+    while the ranks' own guesses of whether the next step stays plain differ (rank 1: always,
+    rank 0: never), as their timings may. A plain step queued ahead on one rank only, then taken
+    back for a draft, would be a forward the other ranks never ran. Returns the tokens, the
+    steps that drafted and the steps in all."""
+    from mlx_spec.adaptive import AdaptiveK
+
+    choose, parked_next = AdaptiveK.choose, AdaptiveK.parked_next
+    steps = iter(range(10**6))
+    AdaptiveK.choose = lambda self: (choose(self), (2 if next(steps) % 3 == 2 else 0, 1.0))[1]
+    AdaptiveK.parked_next = lambda self: mx.distributed.init().rank() == 1
+    try:
+        out = list(mlx_spec.stream_generate(model, tok, prompt, mlx_spec.NGramDrafter(min_n=1),
+                                            max_tokens=N))
+    finally:
+        AdaptiveK.choose, AdaptiveK.parked_next = choose, parked_next
+    stats = out[-1].stats
+    return [r.token for r in out], stats.drafted, stats.target_forwards
 
 
 def traced(model, tok, prompt, drafter, **kw):

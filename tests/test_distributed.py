@@ -119,6 +119,9 @@ def test_sharded_runs_match(folders, tmp_path, n):
                 assert res.get(f"{kind}{i}", plain) == plain, (setup, kind)
             if f"tree_auto{i}" in res:  # the shape rank 0's (sync check on)
                 assert res[f"tree_auto{i}"][0] == plain, setup
+            if f"ahead_auto{i}" in res:  # plain steps queued ahead alike on every rank
+                ahead, drafted, forwards = res[f"ahead_auto{i}"]
+                assert ahead == plain and 0 < drafted < forwards, setup  # drafts and plain steps ran
         if "tree_auto1" in res:  # whole trees were verified
             assert res["tree_auto0"][1] + res["tree_auto1"][1] > 0, setup
             if mode == "pipeline":  # identical logits: identical seeded sampling too
