@@ -7,7 +7,10 @@
    * echo: the tiny qwen3 "echo" target with the copy-the-anchor head (block 16), greedy;
    * v8:   the 8-token target with a random 1-layer head (block 4, k = 3), greedy and
            sampled (temp 1, `--runs` seeded runs of 5 tokens).
-2. An ideal block drafter (NumPy only, as scripts/block_draft_modes.py): random Markov
+2. DSpark heads with a Markov head (tests/test_dspark.py): the echo target's bigram head,
+   greedy; the bigram head on the 8-token target, sampled. Their trees are the best
+   paths of the Markov chain.
+3. An ideal block drafter (NumPy only, as scripts/block_draft_modes.py): random Markov
    targets over V tokens whose rows mix sharp and flat, the drafter's q_j the exact
    marginal j + 1 steps ahead, the tree `block_tree.best_prefixes` over them. Greedy
    targets follow their argmax; sampled ones draw each token from the row, and a tree
@@ -68,6 +71,35 @@ def loop_tau(tokens: int, runs: int) -> None:
         sampled = sum(t.accepted + 1 for tr in r.traces for t in tr) / max(steps, 1)
         label = "chain k=3" if budget is None else f"tree budget {budget}"
         print(f"  {label:28s} {st.tau:6.3f} | {sampled:6.3f}")
+
+
+def spark_tau(tokens: int, runs: int) -> None:
+    """DSpark heads with a Markov head (trees: the best paths of the Markov chain)."""
+    import lossless as L
+    import test_dspark as T
+    from mlx_spec.heads import load_drafter
+    from runs import spec_run
+
+    class Factory:
+        def mktemp(self, name):
+            return Path(tempfile.mkdtemp(prefix=name))
+
+    tmp = Path(tempfile.mkdtemp())
+    model, _, _ = T.echo_target()
+    head, _ = T.make_head(tmp)  # its Markov term is the target's own bigram: usually right
+    print(f"DSpark, echo target, bigram Markov head (block 7), greedy, {tokens} tokens: tau")
+    for k, budget in [(3, None), (3, 3), (7, None), (7, 7), (7, 12), (7, 16)]:
+        _, st = spec_run(model, load_drafter(head, model, tree_budget=budget), T.PROMPT, tokens, k)
+        label = f"chain k={k}" if budget is None else f"tree budget {budget:2d}, depth <= {k}"
+        print(f"  {label:28s} {st.tau:6.3f}  (tree steps {st.tree_steps}/{st.target_forwards})")
+    model, head, _ = T.bigram_spark(Factory())
+    print(f"DSpark, 8-token target, bigram Markov head (block 3, k = 3): tau, sampled {runs} runs x 5 tokens")
+    for budget in (None, 3, 4, 6, 8):
+        d = load_drafter(head, model, tree_budget=budget)
+        r = L.sampled_runs(model, T.SPARK_PROMPT, lambda: d, runs, max_tokens=5, k=3, vocab=T.V8, temp=1.0)
+        steps = sum(len(t) for t in r.traces)
+        sampled = sum(t.accepted + 1 for tr in r.traces for t in tr) / max(steps, 1)
+        print(f"  {'chain k=3' if budget is None else f'tree budget {budget}':28s} {sampled:6.3f}")
 
 
 def markov_tau(vocab: int, trials: int) -> None:
@@ -138,6 +170,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=50)
     args = ap.parse_args()
     loop_tau(args.tokens, args.runs)
+    spark_tau(args.tokens, args.runs)
     markov_tau(args.vocab, args.trials)
     return 0
 

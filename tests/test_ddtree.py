@@ -258,12 +258,114 @@ def test_dspark_without_a_markov_head_drafts_trees_and_keeps_greedy_output(tmp_p
         assert stats.tree_steps > 0
 
 
-def test_dspark_with_a_markov_head_refuses_a_tree_budget(tmp_path):
+def markov_best_paths(U, W1, W2, y, budget):
+    """NumPy: the `budget` most likely paths of the chain s_j = U_j + W2 W1[x_(j-1)], found
+    best-first over the whole vocabulary (a child never scores above its parent)."""
+    import heapq
+
+    def logp(j, prev):
+        s = U[j] + W2 @ W1[prev]
+        return s - s.max() - np.log(np.exp(s - s.max()).sum())
+
+    heap, out = [(0.0, ())], []
+    while heap and len(out) <= budget:
+        neg, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < len(U):
+            lp = logp(len(path), path[-1] if path else y)
+            for t in range(len(lp)):
+                heapq.heappush(heap, (neg - float(lp[t]), path + (t,)))
+    return out[1:]  # without the root
+
+
+def markov_drafter(tmp_path, budget, threshold=None):
+    """A DSpark head with a random Markov head and confidences, bound and fed a prompt."""
     import test_dspark as T
 
+    model, _, _ = T.echo_target()
+    out, w = T.make_head(tmp_path, rank=16, trained=False)
+    d = load_drafter(out, model, tree_budget=budget, confidence_threshold=threshold)
+    d.bind(model, None)
+    seq = T.PROMPT + [3, 9, 11, 4]
+    d.prefill(seq, T.mx_taps(S.target_taps(model, seq, d.taps), 0, len(seq)))
+    return d, w
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_markov_trees_hold_the_budget_most_likely_paths_of_the_chain(tmp_path, budget):
+    """With a Markov head each row depends on the token before it; the tree is the
+    `budget` best paths under that chain, against a NumPy best-first search."""
+    d, w = markov_drafter(tmp_path, budget)
+    for y in (3, 17):
+        U, h = d.step_logits(y, 4)
+        draft = d._tree(U, h, y, mlx_spec.Sampling())
+        want = markov_best_paths(np.array(U, np.float64), w["markov_head.markov_w1.weight"],
+                                 w["markov_head.markov_w2.weight"], y, budget)
+        assert sorted(node_paths(draft)) == sorted(want)
+        first = tree.as_chain(draft).tokens.tolist()  # the first branch: the greedy chain
+        assert first and first == np.array(d._chain(U, h, y, mlx_spec.Sampling())[0]).tolist()[: len(first)]
+        if budget >= 5:
+            assert not tree.is_chain(draft.parents)  # a real tree, not the chain
+
+
+def test_the_markov_tree_keeps_the_nodes_whose_path_confidence_clears_the_cut(tmp_path):
+    """Each node's confidence reads its depth's hidden row and its parent's token (W1);
+    a node stays while its path's running product stays >= the threshold."""
+    d, w = markov_drafter(tmp_path, 16)
+    U, h = d.step_logits(3, 4)
+    whole = node_paths(d._tree(U, h, 3, mlx_spec.Sampling()))
+    W1, P, b = (w["markov_head.markov_w1.weight"], w["confidence_head.proj.weight"][0],
+                w["confidence_head.proj.bias"][0])
+    H = np.array(h, np.float64)
+
+    def product(path):
+        prev, out = 3, 1.0
+        for j, t in enumerate(path):
+            out *= 1 / (1 + np.exp(-(P @ np.concatenate([H[j], W1[prev]]) + b)))
+            prev = t
+        return out
+
+    runs = sorted({round(product(p), 6) for p in whole})  # (siblings share theirs)
+    threshold = (runs[len(runs) // 2 - 1] + runs[len(runs) // 2]) / 2  # between two, near the middle
+    d.set_cut(threshold)
+    kept = node_paths(d._tree(U, h, 3, mlx_spec.Sampling()))
+    want = [p for p in whole if product(p) >= threshold]
+    assert sorted(kept) == sorted(want) and 0 < len(kept) < len(whole)
+
+
+@pytest.mark.parametrize("threshold", [None, 0.55])
+def test_dspark_with_a_markov_head_drafts_trees_and_keeps_greedy_output(tmp_path, threshold):
+    import test_dspark as T
+
+    model, _, _ = T.echo_target()
     out, _ = T.make_head(tmp_path)
-    with pytest.raises(ValueError, match="Markov head conditions each position"):
-        load_drafter(out, T.echo_target()[0], tree_budget=8)
+    d = load_drafter(out, model, tree_budget=8, confidence_threshold=threshold)
+    got, stats = spec_run(model, d, T.PROMPT, 80, 7)
+    assert got == greedy_reference(model, T.PROMPT, 80)
+    assert stats.tree_steps > 0 and stats.tau > 1.3
+
+
+@pytest.mark.slow
+def test_sampled_markov_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_path_factory):
+    """test_dspark's sampled bigram setup (block of 3, confidence cut 0.6) drafting trees of
+    5 nodes: marginals and neighbouring pairs against the exact law, with paths of depth
+    >= 2 through non-chain trees accepted, off the first branch too."""
+    import test_dspark as T
+
+    model, head, joint = T.bigram_spark(tmp_path_factory)
+    d = load_drafter(head, model, tree_budget=5, confidence_threshold=0.6)
+    runs = L.sampled_runs(model, T.SPARK_PROMPT, lambda: d, 600, max_tokens=5, k=3, vocab=T.V8,
+                          temp=1.0, record_drafts=True)
+    deep = off_first = 0
+    for trace, drafts in zip(runs.traces, runs.proposals):
+        for t, draft in zip(trace, drafts):
+            if draft.parents is None or tree.is_chain(draft.parents):
+                continue
+            deep += t.accepted >= 2
+            off_first += t.accepted >= 1 and t.proposed[:1] != tree.as_chain(draft).tokens.tolist()[:1]
+    print(f"Markov tree steps accepting >= 2 drafts: {deep}; off the first branch: {off_first}")
+    assert deep >= 50 and off_first >= 50, (deep, off_first)
+    L.assert_lossless(runs, joint)
 
 
 # ---- the command line -------------------------------------------------------------------------

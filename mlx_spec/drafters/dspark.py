@@ -45,10 +45,12 @@ the target's vocabulary with zeros elsewhere, so rejection sampling stays exact.
 speculators' checkpoints may keep row 0 for the anchor only (`sample_from_anchor: false`):
 rows 1..B-1 then draft, B-1 tokens, d_0's Markov predecessor still y.
 
-Trees (`tree_budget=N`, `block_tree`): heads without a Markov head (DeepSpec's "DFlash"
-layout) draft DDTree-style trees from U, cut to the confidence length (read in the tree's
-one host sync); a Markov head makes each row depend on the token before it, so those heads
-refuse `tree_budget`.
+Trees (`tree_budget=N`): heads without a Markov head (DeepSpec's "DFlash" layout) draft
+DDTree-style trees from U (`block_tree`), cut to the confidence length (read in the tree's
+one host sync); with a Markov head each row depends on the token before it, and the tree
+is the N most likely paths of the Markov chain itself, grown depth by depth on the device
+(`SparkChain._markov_tree`), each node kept while its path's confidence product clears the
+threshold.
 
 Non-goals: the `gated`/`rnn` Markov variants.
 """
@@ -168,5 +170,6 @@ def probe_target(folder, config: dict, model, **options):
         return None
     if options.pop("tree_budget", None) is not None:
         raise ValueError("tree_budget: the DSpark stages of a DeepSeek-V4 checkpoint draft chains "
-                         "(their Markov stage conditions each position on the token before it)")
+                         "(a DeepSeek-V4 target's sliding-window and compressed caches cannot verify "
+                         "a tree in one forward)")
     return probe_v4(folder, config, model, **options)

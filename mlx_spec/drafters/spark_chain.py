@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import dynamic_tree, tree
 from ..sampling import Sampling
 from .base import Draft, pick_block
 from .block_tree import check_budget, propose_tree
@@ -90,16 +91,11 @@ class SparkChain:
     trees = False  # the subclass's bind: a tree_budget and a target that can verify trees
 
     def set_tree(self, tree_budget: int | None) -> None:
-        """Draft trees of `tree_budget` nodes from the block's per-position distributions
-        (`block_tree`), cut to the confidence length when a threshold is set. Only for
-        heads without a Markov head: with one, each position's distribution depends on the
-        token drafted before it, so the rows are not a factorised block distribution."""
-        budget = check_budget(tree_budget)
-        if budget is not None and "markov_head" in self.heads:
-            raise ValueError("tree_budget needs per-position distributions, but this DSpark head's "
-                             "Markov head conditions each position on the token before it; it "
-                             "drafts chains (leave tree_budget out)")
-        self.tree_budget = budget
+        """Draft trees of `tree_budget` nodes instead of chains, cut by the confidences when a
+        threshold is set. Without a Markov head the block's rows are a factorised distribution
+        and the tree is DDTree's (`block_tree`); with one, each row depends on the token
+        drafted before it, and the tree is grown depth by depth over that chain (`_markov_tree`)."""
+        self.tree_budget = check_budget(tree_budget)
 
     def set_cut(self, confidence_threshold: float | None, cut: str = "sync") -> None:
         """Verify only the prefix whose running confidence product stays >= the threshold.
@@ -158,9 +154,11 @@ class SparkChain:
         return (mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None,
                 mx.stack(confs) if confs else None)
 
-    def _tree(self, U, h, sampling) -> Draft:
+    def _tree(self, U, h, y, sampling) -> Draft:
         """A DDTree draft (no Markov head); its depth capped by the confidence cut, whose
         length is read in the tree's one host sync whatever `cut` says."""
+        if "markov_head" in self.heads:
+            return self._markov_tree(U, h, y, sampling)
         length = None
         if self.threshold is not None:
             conf = mx.sigmoid(self.heads.confidence_head.proj(h)[:, 0]).astype(mx.float32)
@@ -169,10 +167,48 @@ class SparkChain:
         return propose_tree(U, sampling, self.tree_budget, length,
                             None if d2t is None else (lambda ids: d2t[ids]))
 
+    def _markov_tree(self, U, h, y, sampling) -> Draft:
+        """The `tree_budget` most likely paths of the Markov chain s_j = U_j + W2 W1[x_(j-1)]:
+        grown as an EAGLE-2 dynamic tree (`dynamic_tree.grow`) whose "forward" for a depth's
+        frontier is the Markov term of each frontier token, all lazy, one host sync. Its width
+        is the budget, so no path of the best `budget` is ever pruned on the way: the tree is
+        exactly the `budget` best prefixes under the chain's own distribution. With a
+        threshold, a node is kept only while its path's confidence product stays >= it
+        (`_cut_tree`): the chain's cut, per path."""
+        w1, w2 = self.heads.markov_head.markov_w1, self.heads.markov_head.markov_w2
+        rows = iter(range(1, U.shape[0]))  # grow asks for depths 2, 3, ... in order
+        step = lambda tokens, slots, mask, shift: U[next(rows)][None] + w2(w1(tokens))  # noqa: E731
+        root = U[0] + w2(w1(mx.array([y], mx.uint32)))[0]
+        budget = self.tree_budget
+        draft, _ = dynamic_tree.grow(root, step, depth=min(U.shape[0], budget), width=budget,
+                                     budget=budget, sampling=sampling, token_ids=self.draft_to_target)
+        return draft if self.threshold is None or draft.size == 0 else self._cut_tree(draft, h, y)
+
+    def _cut_tree(self, draft: Draft, h, y: int) -> Draft:
+        """The nodes whose path's running confidence product stays >= the threshold (a node's
+        confidence reads its depth's hidden row and, with `confidence_with_markov`, its
+        parent's token, never its own: non-anticipating, as the chain's cut). Products only
+        fall along a path, so what is kept is still a tree."""
+        parents, tokens = draft.parents, draft.tokens.tolist()
+        depth = tree.depths(parents)
+        prev = mx.array([y if p < 0 else tokens[p] for p in parents], mx.uint32)
+        feats = h[mx.array([d - 1 for d in depth])]
+        if self.spark.confidence_with_markov:
+            e = self.heads.markov_head.markov_w1(prev)
+            feats = mx.concatenate([feats, e.astype(feats.dtype)], axis=-1)
+        conf = mx.sigmoid(self.heads.confidence_head.proj(feats)[:, 0]).astype(mx.float32).tolist()
+        run: list[float] = []
+        for p, c in zip(parents, conf):  # breadth-first: a parent's product comes first
+            run.append(c * (1.0 if p < 0 else run[p]))
+        keep = [i for i, r in enumerate(run) if r >= self.threshold]
+        where = {old: new for new, old in enumerate(keep)}
+        return Draft(draft.tokens[mx.array(keep, mx.int32)] if keep else draft.tokens[:0],
+                     parents=tuple(-1 if parents[i] < 0 else where[parents[i]] for i in keep) if keep else None)
+
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         k = min(k, self.max_draft)
         if self.trees:
-            return self._tree(*self.step_logits(y, k), sampling)
+            return self._tree(*self.step_logits(y, k), y, sampling)
         tokens, q, conf = self._chain(*self.step_logits(y, k), y, sampling)
         if self.threshold is None:
             return Draft(tokens, q)
