@@ -117,28 +117,56 @@ class BatchDecoder:
         events, decoding = [], bool(self.active)
         self.width = 0  # rows verified together in this step
         with mx.stream(generation_stream):
+            if not decoding:
+                self._start_together(events)
             while (row := self._next_waiting()) is not None:
                 try:
                     first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
                         first = row.prefilled(*first)
                 except BaseException:
-                    self.waiting.remove(row)
-                    self.done[row.uid] = row
+                    self._drop_waiting([row])
                     raise
                 if first is None:
                     break
                 i = self.waiting.index(row)
                 for earlier in self.waiting[:i]:  # rows it passed
                     earlier.passed += 1
-                self.waiting.pop(i)
-                events.append((row.uid, first))
-                self._start(row) if row.finish is None else self._finish(row)
+                self._started(row, first, events)
                 if decoding:
                     break
             if self.active:
                 events += self._verify()
         return events
+
+    def _start_together(self, events: list) -> None:
+        """With nothing decoding: the waiting rows at the front that can share one batch and
+        are `verify.fresh` are prefilled together (`verify.prefill_together`), then start."""
+        group = []
+        for row in self.waiting[: self.max_batch]:
+            if not verify.fresh(row) or (group and self._kind(row) != self._kind(group[0])):
+                break
+            group.append(row)
+        if len(group) < 2 or self._kind(group[0]) is None:
+            return
+        try:
+            firsts = [row.prefilled(*first) for row, first in zip(group, verify.prefill_together(self.model, group))]
+        except BaseException:
+            self._drop_waiting(group)
+            raise
+        for row, first in zip(group, firsts):
+            self._started(row, first, events)
+
+    def _drop_waiting(self, rows: list[Row]) -> None:
+        for row in rows:
+            self.waiting.remove(row)
+            self.done[row.uid] = row
+
+    def _started(self, row: Row, first: list[Response], events: list) -> None:
+        """`row`'s prompt is in and its first token emitted: it joins the batch (or is done)."""
+        self.waiting.remove(row)
+        events.append((row.uid, first))
+        self._start(row) if row.finish is None else self._finish(row)
 
     def _next_waiting(self) -> Row | None:
         """The waiting row to prefill next: the first that can join the batch. A row that

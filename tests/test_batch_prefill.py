@@ -1,0 +1,83 @@
+"""Rows that start together read their prompts together (`verify.prefill_together`): one
+left-padded forward for the prompts, one for their last tokens, and each row's own cache then
+holds what a prefill alone leaves; rows that cannot (a quantized cache to come, a prompt over
+one chunk) are read alone."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_repetition_penalty
+
+import mlx_spec
+import tiny
+from mlx_spec import BatchDecoder, NGramDrafter, verify
+from runs import counted, mlx_lm_greedy as reference
+from test_batch import PROMPTS, drain
+
+
+def decoder_with(model, rows: list[dict], max_batch: int = 4) -> BatchDecoder:
+    d = BatchDecoder(model, tiny.tokenizer(), max_batch=max_batch)
+    for kw in rows:
+        d.add(**{"max_tokens": 12, **kw})
+    return d
+
+
+def test_the_rows_caches_and_first_tokens_are_what_a_prefill_alone_gives():
+    m = tiny.llama_model()
+    penalty = make_repetition_penalty(1.8, 8)  # reads the row's own history
+    rows = [dict(prompt=p) for p in PROMPTS[:3]] + [dict(prompt=PROMPTS[3], logits_processors=[penalty])]
+    rows[2].update(temp=0.9, seed=3)
+    together, alone = decoder_with(m, rows).waiting, decoder_with(m, rows).waiting
+    got = verify.prefill_together(m, together)
+    for (y, lp), a in zip(got, alone):
+        want_y, want_lp = verify.prefill(m, a)
+        b = together[alone.index(a)]
+        assert y == want_y and b.consumed == a.consumed == len(a.req.prompt)
+        np.testing.assert_allclose(np.array(lp), np.array(want_lp), atol=1e-4)
+        for c, w in zip(b.cache, a.cache):
+            n = len(a.req.prompt)
+            assert c.offset == w.offset == n
+            for x, z in ((c.keys, w.keys), (c.values, w.values)):
+                np.testing.assert_allclose(np.array(x[..., :n, :]), np.array(z[..., :n, :]), atol=1e-5)
+        assert b.prefill_time[0] == len(a.req.prompt) - 1
+
+
+def test_rows_starting_together_are_read_in_one_forward_and_decode_as_alone(monkeypatch):
+    m = tiny.llama_model()
+    calls = []
+    real = verify.prefill_together
+    monkeypatch.setattr(verify, "prefill_together", lambda model, rows: calls.append(len(rows)) or real(model, rows))
+    seen = counted(m)
+    d = decoder_with(m, [dict(prompt=p, drafter=NGramDrafter(min_n=1), num_draft_tokens=3) for p in PROMPTS])
+    out, widths = drain(d)
+    assert calls == [4] and seen[:2] == [4, 4]  # the padded prompts, then the last tokens
+    for uid, p in enumerate(PROMPTS):
+        assert out[uid] == reference(m, p, 12)
+
+
+@pytest.mark.parametrize("odd", ["kv_bits", "long prompt"])
+def test_a_row_that_cannot_be_read_together_is_read_alone(monkeypatch, odd):
+    """It ends the group at its place in the queue: the rows before it are read together,
+    it and the rows after it one by one; every output is still its solo output."""
+    m = tiny.llama_model()
+    calls = []
+    real = verify.prefill_together
+    monkeypatch.setattr(verify, "prefill_together", lambda model, rows: calls.append(len(rows)) or real(model, rows))
+    extra = dict(kv_bits=8, quantized_kv_start=1000) if odd == "kv_bits" else dict(prefill_step_size=4)
+    rows = [dict(prompt=p) for p in PROMPTS]
+    rows[2].update(extra)  # PROMPTS[2] has 13 tokens: more than a 4-token chunk
+    out, _ = drain(decoder_with(m, rows))
+    assert calls == [2]
+    for uid, p in enumerate(PROMPTS):
+        assert out[uid] == reference(m, p, 12)
+
+
+def test_seeded_sampled_rows_read_together_draw_what_they_draw_alone():
+    m = tiny.llama_model()
+    kw = dict(max_tokens=10, temp=1.0, num_draft_tokens=2)
+    alone = [[r.token for r in mlx_spec.stream_generate(m, tiny.tokenizer(), p, NGramDrafter(min_n=1), seed=s, **kw)]
+             for s, p in enumerate(PROMPTS)]
+    res = mlx_spec.batch_generate(m, tiny.tokenizer(), PROMPTS, lambda: NGramDrafter(min_n=1),
+                                  seed=[0, 1, 2, 3], **kw)
+    assert res.tokens == alone
+    assert mx.array(alone).size > 0
