@@ -116,7 +116,7 @@ class AdaptiveK:
         return out
 
     def expected_tokens(self, k: int, state: int | None = None) -> float:
-        return self._curves(self.state if state is None else state)[0][k]
+        return self._tokens(self.state if state is None else state)[k]
 
     def seconds(self, k: int, state: int | None = None) -> float:
         """Predicted step time at k, up to the common `scale` (which cannot change the best k)."""
@@ -131,16 +131,21 @@ class AdaptiveK:
                 survive *= a
         return base
 
-    def _curves(self, state: int) -> tuple[list[float], list[float], list[float]]:
-        """For k = 0..k_max in `state`: expected tokens, seconds, P(next state is 1)."""
-        estimates = self.estimates(state)
+    def _tokens(self, state: int, estimates: list[float] | None = None) -> list[float]:
+        """Expected tokens of a step at k = 0..k_max in `state` (a batch asks for these for
+        every row and every K it weighs: without the seconds, which it takes from elsewhere)."""
         tokens, total, survive = [1.0], 1.0, 1.0
-        for a in estimates:
+        for a in self.estimates(state) if estimates is None else estimates:
             survive *= a
             total += survive
             tokens.append(total)
+        return tokens
+
+    def _curves(self, state: int) -> tuple[list[float], list[float], list[float]]:
+        """For k = 0..k_max in `state`: expected tokens, seconds, P(next state is 1)."""
+        estimates = self.estimates(state)
         to_one = [0.0] + estimates[:1] * self.k_max  # the first draft token kept
-        return tokens, [self.seconds(k, state) for k in range(self.k_max + 1)], to_one
+        return self._tokens(state, estimates), [self.seconds(k, state) for k in range(self.k_max + 1)], to_one
 
     def rates(self) -> list[float]:
         """Long-run expected tokens per second for each k of the current state.
@@ -191,7 +196,12 @@ class AdaptiveK:
 
     def expected_offered(self, k: int) -> float:
         """Expected tokens of a step asking for k, counting the steps the drafter proposes nothing."""
-        return 1.0 + self.offers[self.state] * (self.expected_tokens(k) - 1.0)
+        return self.offered_curve()[k]
+
+    def offered_curve(self) -> list[float]:
+        """`expected_offered` at k = 0..k_max."""
+        offers = self.offers[self.state]
+        return [1.0 + offers * (t - 1.0) for t in self._tokens(self.state)]
 
     def parked_next(self) -> bool:
         """Whether the next `choose` stays parked if this step is plain: no probe due by then,

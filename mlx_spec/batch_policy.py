@@ -176,8 +176,8 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     fixed = [p.k for p in policies if not isinstance(p, AdaptiveK)]
     if not auto:
         return [(k, None) for k in fixed]
-    costs = _costs(model)
-    rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
+    costs, curves = _costs(model), _offered_curves(policies)
+    rates = [expected_rate(model, policies, K, costs, curves)[0] for K in range(max(p.k_max for p in auto) + 1)]
     K = max(range(len(rates)), key=rates.__getitem__)
     costs.plan = None
     if costs.probed:  # a probe whose outcome would pay if it held is followed up sooner; else later
@@ -211,7 +211,8 @@ def plain_next(model, policies: list) -> bool:
     if costs is None or costs.parked + 1 >= costs.probe_every:
         return costs is None
     with after_plain(auto):  # K = 0 still best once this plain step has put every row in state 0
-        rates = [expected_rate(model, policies, K, costs)[0] for K in range(max(p.k_max for p in auto) + 1)]
+        curves = _offered_curves(policies)
+        rates = [expected_rate(model, policies, K, costs, curves)[0] for K in range(max(p.k_max for p in auto) + 1)]
     return max(range(len(rates)), key=rates.__getitem__) == 0
 
 
@@ -245,18 +246,25 @@ def trim_drafts(model, policies: list, drafts: list) -> list[int]:
     return cut(W)
 
 
-def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None) -> tuple[float, float]:
-    """(expected tokens per second, predicted seconds) of a batch step where auto rows draft K."""
+def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None,
+                  curves: list | None = None) -> tuple[float, float]:
+    """(expected tokens per second, predicted seconds) of a batch step where auto rows draft K
+    (`curves`: the rows' `_offered_curves`, when the caller weighs several K)."""
     ks = [min(K, p.k_max) if isinstance(p, AdaptiveK) else p.k for p in policies]
     seconds = _seconds(model, policies, ks, costs)
-    return _tokens(policies, ks, offered=True) / seconds, seconds
+    curves = curves or _offered_curves(policies)
+    return sum(k + 1 if c is None else c[k] for c, k in zip(curves, ks)) / seconds, seconds
 
 
-def _tokens(policies: list, ks: list[int], offered: bool = False) -> float:
-    """Expected tokens of the rows drafting `ks`; before the drafts exist (`offered`), a row
-    counts its drafter's misses (a row that rarely has anything to propose adds little)."""
-    return sum((p.expected_offered(k) if offered else p.expected_tokens(k)) if isinstance(p, AdaptiveK)
-               else k + 1 for p, k in zip(policies, ks))
+def _offered_curves(policies: list) -> list:
+    """Each auto row's expected tokens at k = 0..k_max before the drafts exist, counting its
+    drafter's misses (a row that rarely has anything to propose adds little); None: fixed k."""
+    return [p.offered_curve() if isinstance(p, AdaptiveK) else None for p in policies]
+
+
+def _tokens(policies: list, ks: list[int]) -> float:
+    """Expected tokens of the rows verifying drafts of `ks` tokens."""
+    return sum(p.expected_tokens(k) if isinstance(p, AdaptiveK) else k + 1 for p, k in zip(policies, ks))
 
 
 def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, drafting: bool = True) -> float:

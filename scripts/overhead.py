@@ -2,7 +2,7 @@
 
     python scripts/overhead.py [--model smollm2-135m-instruct] [--draft-model NAME] [--k 4]
     python scripts/overhead.py --gpu-like      # 30 layers of width 64, a 49k vocabulary
-    python scripts/overhead.py --policy        # the draft-length policy's own cost per step
+    python scripts/overhead.py --policy        # the draft-length policy's own cost per step (one row, a batch)
 
 Real model: per method, interleaved over rounds (medians printed), milliseconds per step,
 of which host milliseconds (time during which MLX had none of the step's work queued:
@@ -277,7 +277,41 @@ def policy(args) -> int:
         shapes.observe(shapes.pick(), 1 + i % 4, 0.01)
         times.append(time.perf_counter() - tic)
     print(f"tree shape choice (pick + observe)          {_median(times) * 1e6:6.1f} us")
+    batch_policy(costs)
     return 0
+
+
+def batch_policy(costs) -> None:
+    """Microseconds per step of a batch's draft-length choice for B rows on `auto` (k_max 16):
+    `choose_for_batch`, then `plain_next` (what a parked batch asks before queueing a step)."""
+    import random
+
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from mlx_spec import adaptive, batch_policy
+    from mlx_spec.adaptive import AdaptiveK
+
+    margs = llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+                            num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64)
+    model = llama.Model(margs)
+    mx.eval(model.parameters())
+    adaptive._CURVES[adaptive.model_key(model) + ":wide"] = [0.01 * w / 17 for w in batch_policy.WIDE]
+    print("batch draft-length choice, one step = choose_for_batch() + plain_next(), k_max 16, median of 500 steps")
+    for rows in (2, 4, 8):
+        policies, rnd, times = [AdaptiveK(costs, 16, timed=False) for _ in range(rows)], random.Random(0), []
+        for _ in range(500):
+            tic = time.perf_counter()
+            ks = batch_policy.choose_for_batch(model, policies)
+            batch_policy.plain_next(model, policies)
+            times.append(time.perf_counter() - tic)
+            for p, (k, _) in zip(policies, ks):
+                n = 0
+                while n < k and rnd.random() < 0.3:
+                    n += 1
+                p.offered(k, k)
+                p.observe(k, n)
+        print(f"{rows} rows                                     {_median(times) * 1e6:6.1f} us")
 
 
 if __name__ == "__main__":
