@@ -143,11 +143,13 @@ def prefill_together(model, rows: list) -> list[tuple[int, mx.array]]:
         row.seed_rng(0)
         y = row.req.sampling.sample(line[-1]).item()
         row.fed(row.req.prompt[-1:])
-        row.prefill_time[0] += len(heads[i])
-        row.prefill_time[1] += (time.perf_counter() - tic) * len(heads[i]) / max(sum(map(len, heads)), 1)
-        row.progress(len(row.req.prompt), len(row.req.prompt))
         out.append((y, log_softmax(line[-1])))
     mx.eval([c.state for row in rows for c in row.cache])
+    seconds, read = time.perf_counter() - tic, max(sum(map(len, heads)), 1)
+    for row, head in zip(rows, heads):  # each row's share of the time, by its tokens
+        row.prefill_time[0] += len(head)
+        row.prefill_time[1] += seconds * len(head) / read
+        row.progress(len(row.req.prompt), len(row.req.prompt))
     mx.clear_cache()
     return out
 

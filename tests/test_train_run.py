@@ -119,8 +119,12 @@ def test_realign_to_another_target_reports_tau_before_and_after(target, trained,
     out, _ = trained
     model = tiny.llama_model(seed=7, layers=6)  # same shapes, other weights: a "fine-tune"
     dest = tmp_path_factory.mktemp("realign") / "head"
-    report = realign(model, tok, out, dest, prompts=PROMPTS, max_length=44, steps=150, lr=3e-3, ttt_steps=3,
-                     eval_tokens=30, eval_prompts=1, log=lambda m: None)
+    # 30 prompts, two held out and answered for 60 tokens: with 5 prompts and one 30-token
+    # answer the measured tau moved by more than the margin between MLX releases (0.32.4).
+    prompts = [[{"role": "user", "content": " ".join(f"w{5 + (7 * i + 3 * j) % 90}" for j in range(6))}]
+               for i in range(30)]
+    report = realign(model, tok, out, dest, prompts=prompts, max_length=44, steps=300, lr=3e-3, ttt_steps=3,
+                     eval_tokens=60, eval_prompts=2, log=lambda m: None)
     assert json.loads((dest / "eval.json").read_text()) == report
     assert report["before"]["identical_to_plain"] and report["after"]["identical_to_plain"]
     assert report["after"]["tau"] > report["before"]["tau"] + 0.3, report
