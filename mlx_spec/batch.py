@@ -142,12 +142,14 @@ class BatchDecoder:
     def _start_together(self, events: list) -> None:
         """With nothing decoding: the waiting rows at the front that can share one batch and
         are `verify.fresh` are prefilled together (`verify.prefill_together`), then start."""
-        group = []
+        group, kind = [], None
         for row in self.waiting[: self.max_batch]:
-            if not verify.fresh(row) or (group and self._kind(row) != self._kind(group[0])):
+            mine = self._kind(row) if verify.fresh(row) else None
+            if mine is None or (group and mine != kind):
                 break
             group.append(row)
-        if len(group) < 2 or self._kind(group[0]) is None:
+            kind = mine
+        if len(group) < 2:
             return
         try:
             firsts = [row.prefilled(*first) for row, first in zip(group, verify.prefill_together(self.model, group))]

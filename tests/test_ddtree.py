@@ -200,6 +200,19 @@ def test_auto_draft_length_with_a_tree_budget_stays_lossless(tmp_path, monkeypat
     assert stats.tree_steps > 0 and stats.accepted > 0
 
 
+def deep_tree_steps(runs) -> tuple[int, int]:
+    """Over sampled runs' non-chain tree steps: (steps accepting >= 2 drafts, steps accepting
+    a first token off the tree's first branch)."""
+    deep = off_first = 0
+    for trace, drafts in zip(runs.traces, runs.proposals):
+        for t, draft in zip(trace, drafts):
+            if draft.parents is None or tree.is_chain(draft.parents):
+                continue
+            deep += t.accepted >= 2
+            off_first += t.accepted >= 1 and t.proposed[:1] != tree.as_chain(draft).tokens.tolist()[:1]
+    return deep, off_first
+
+
 @pytest.mark.slow
 def test_sampled_block_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_path_factory):
     """The 8-token sampled setup of test_dflash (block of 3 drafts), as a tree of 6 nodes:
@@ -209,13 +222,7 @@ def test_sampled_block_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_p
     d = load_drafter(head, model, tree_budget=6)
     runs = L.sampled_runs(model, FLASH_PROMPT, lambda: d, 1200, max_tokens=5, k=3, vocab=V8,
                           temp=1.0, record_drafts=True)
-    deep = off_first = 0
-    for trace, drafts in zip(runs.traces, runs.proposals):
-        for t, draft in zip(trace, drafts):
-            if draft.parents is None or tree.is_chain(draft.parents):
-                continue
-            deep += t.accepted >= 2
-            off_first += t.accepted >= 1 and t.proposed[:1] != tree.as_chain(draft).tokens.tolist()[:1]
+    deep, off_first = deep_tree_steps(runs)
     print(f"tree steps accepting >= 2 drafts: {deep}; off the first branch: {off_first}")
     assert deep >= 100 and off_first >= 100, (deep, off_first)
     L.assert_lossless(runs, joint)
@@ -356,13 +363,7 @@ def test_sampled_markov_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_
     d = load_drafter(head, model, tree_budget=5, confidence_threshold=0.6)
     runs = L.sampled_runs(model, T.SPARK_PROMPT, lambda: d, 600, max_tokens=5, k=3, vocab=T.V8,
                           temp=1.0, record_drafts=True)
-    deep = off_first = 0
-    for trace, drafts in zip(runs.traces, runs.proposals):
-        for t, draft in zip(trace, drafts):
-            if draft.parents is None or tree.is_chain(draft.parents):
-                continue
-            deep += t.accepted >= 2
-            off_first += t.accepted >= 1 and t.proposed[:1] != tree.as_chain(draft).tokens.tolist()[:1]
+    deep, off_first = deep_tree_steps(runs)
     print(f"Markov tree steps accepting >= 2 drafts: {deep}; off the first branch: {off_first}")
     assert deep >= 50 and off_first >= 50, (deep, off_first)
     L.assert_lossless(runs, joint)
