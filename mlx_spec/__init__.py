@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _EXPORTS = {
-    "calibrate": ".adaptive",
+    "calibrate": ".calibration",
     "CacheRollbackError": ".cache",
     "make_cache": ".cache",
     "InUseError": ".identity",

@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
-from .adaptive import calibration_seconds
+from .calibration import calibration_seconds
 from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next

@@ -27,11 +27,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import adaptive
-from .adaptive import (
-    EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, _read_curve, _write_curve,
-    after_plain, measure_verify_seconds, model_key, policy_for, write_json,
-)
+from . import adaptive, calibration
+from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, after_plain, policy_for
+from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .cache import MAX_DRAFT
 from .identity import IdentityMap
 
@@ -50,8 +48,8 @@ def wide_verify_seconds(model) -> list[float]:
     is taken to be that of one row of B * T tokens (the matmuls dominate). Cached as the curve."""
     from .distributed import agreed_curve
 
-    key, curves = model_key(model) + ":wide", adaptive._CURVES  # (looked up late: tests swap them)
-    known = curves.get(key) or _read_curve(adaptive.cache_dir() / f"{key}.json")
+    key, curves = model_key(model) + ":wide", calibration._CURVES  # (looked up late: tests swap them)
+    known = curves.get(key) or _read_curve(calibration.cache_dir() / f"{key}.json")
     known = known if known is not None and len(known) == len(WIDE) else None
 
     def measure() -> list[float]:
@@ -66,7 +64,7 @@ def wide_verify_seconds(model) -> list[float]:
     # later calls depend on each rank's own timings.
     times = agreed_curve(model, known, measure)
     if times is not known:
-        _write_curve(adaptive.cache_dir() / f"{key}.json", times)
+        _write_curve(calibration.cache_dir() / f"{key}.json", times)
     curves[key] = times
     return times
 

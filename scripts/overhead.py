@@ -289,14 +289,14 @@ def batch_policy(costs) -> None:
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from mlx_spec import adaptive, batch_policy
+    from mlx_spec import batch_policy, calibration
     from mlx_spec.adaptive import AdaptiveK
 
     margs = llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
                             num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64)
     model = llama.Model(margs)
     mx.eval(model.parameters())
-    adaptive._CURVES[adaptive.model_key(model) + ":wide"] = [0.01 * w / 17 for w in batch_policy.WIDE]
+    calibration._CURVES[calibration.model_key(model) + ":wide"] = [0.01 * w / 17 for w in batch_policy.WIDE]
     print("batch draft-length choice, one step = choose_for_batch() + plain_next(), k_max 16, median of 500 steps")
     for rows in (2, 4, 8):
         policies, rnd, times = [AdaptiveK(costs, 16, timed=False) for _ in range(rows)], random.Random(0), []

@@ -23,11 +23,11 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True, scope="session")
 def _private_calibration_cache(tmp_path_factory):
     """Calibrations of the tests' tiny random models stay out of the user's cache."""
-    from mlx_spec import adaptive
+    from mlx_spec import calibration
 
     path = tmp_path_factory.mktemp("calibration")
     mp = pytest.MonkeyPatch()
-    mp.setattr(adaptive, "cache_dir", lambda: path)
+    mp.setattr(calibration, "cache_dir", lambda: path)
     yield path
     mp.undo()
 

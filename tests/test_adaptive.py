@@ -12,7 +12,7 @@ import mlx_spec
 import tiny
 from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
                       use_rule, v8_successor_llama, wrong_rule)
-from mlx_spec import adaptive
+from mlx_spec import adaptive, calibration
 from mlx_spec.adaptive import AdaptiveK, CostModel
 
 
@@ -178,32 +178,32 @@ def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
 
 
 def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch):
-    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(adaptive, "_CURVES", {})
+    monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(calibration, "_CURVES", {})
     calls = []
-    monkeypatch.setattr(adaptive, "measure_verify_seconds",
+    monkeypatch.setattr(calibration, "measure_verify_seconds",
                         lambda model, n_max: calls.append(1) or [0.01 * (n + 1) for n in range(n_max)])
     model = tiny.llama_model(seed=1)
-    adaptive.verify_seconds(model)
-    adaptive.verify_seconds(model)
+    calibration.verify_seconds(model)
+    calibration.verify_seconds(model)
     assert len(calls) == 1  # the second call read the cache
-    monkeypatch.setattr(adaptive, "_CURVES", {})  # a new process
-    adaptive.verify_seconds(model)
+    monkeypatch.setattr(calibration, "_CURVES", {})  # a new process
+    calibration.verify_seconds(model)
     assert len(calls) == 1  # it reads the file
-    adaptive.verify_seconds(model, recalibrate=True)
+    calibration.verify_seconds(model, recalibrate=True)
     assert len(calls) == 2
 
-    keys = {adaptive.model_key(model)}
-    keys.add(adaptive.model_key(tiny.llama_model(seed=1, layers=3)))  # another model
+    keys = {calibration.model_key(model)}
+    keys.add(calibration.model_key(tiny.llama_model(seed=1, layers=3)))  # another model
     model.set_dtype(mx.float16)
-    keys.add(adaptive.model_key(model))  # another dtype
+    keys.add(calibration.model_key(model))  # another dtype
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
-    keys.add(adaptive.model_key(model))  # another device
+    keys.add(calibration.model_key(model))  # another device
     assert len(keys) == 4
 
 
 def test_measured_curve_is_monotone_and_positive():
-    times = adaptive.measure_verify_seconds(tiny.llama_model(), n_max=6, context=8, repeats=1)
+    times = calibration.measure_verify_seconds(tiny.llama_model(), n_max=6, context=8, repeats=1)
     assert len(times) == 6 and times[0] > 0
     assert all(b >= a for a, b in zip(times, times[1:]))
 
@@ -329,16 +329,16 @@ def test_policies_die_with_their_drafter():
 def test_an_unwritable_calibration_folder_keeps_the_curve_in_memory(tmp_path, monkeypatch):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    monkeypatch.setattr(adaptive, "cache_dir", lambda: blocked / "calibration")
-    monkeypatch.setattr(adaptive, "_CURVES", {})
+    monkeypatch.setattr(calibration, "cache_dir", lambda: blocked / "calibration")
+    monkeypatch.setattr(calibration, "_CURVES", {})
     calls = []
-    monkeypatch.setattr(adaptive, "measure_verify_seconds",
+    monkeypatch.setattr(calibration, "measure_verify_seconds",
                         lambda model, n_max: calls.append(1) or [0.01 * (n + 1) for n in range(n_max)])
     model = tiny.llama_model(seed=6)
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), [5, 6, 5, 6],
                                         mlx_spec.NGramDrafter(), max_tokens=6))
     assert len(out) == 6 and len(calls) == 1
-    adaptive.verify_seconds(model)
+    calibration.verify_seconds(model)
     assert len(calls) == 1  # measured once per process
 
 
@@ -385,7 +385,7 @@ def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
     sampled = adaptive.policy_for(model, later, 16, sampling=mlx_spec.Sampling(temp=1.0))
     assert sampled.estimates(0)[0] == adaptive.PRIOR  # another sampling mode starts cold
     other = v8_successor_llama(gain=0.5)  # the same architecture, other weights: starts cold
-    assert adaptive.model_key(other) == adaptive.model_key(model)
+    assert calibration.model_key(other) == calibration.model_key(model)
     fresh = mlx_spec.NGramDrafter(min_n=1, max_n=2)
     assert adaptive.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
 

@@ -9,8 +9,9 @@ import pytest
 
 import mlx_spec
 import tiny
-from mlx_spec import BatchDecoder, DraftModelDrafter, adaptive, batch_policy
-from mlx_spec.adaptive import AdaptiveK, CostModel, model_key
+from mlx_spec import BatchDecoder, DraftModelDrafter, batch_policy, calibration
+from mlx_spec.adaptive import AdaptiveK, CostModel
+from mlx_spec.calibration import model_key
 from mlx_spec.rows import Row
 from runs import mlx_lm_greedy as reference
 from test_batch import drain
@@ -25,7 +26,7 @@ def pair(monkeypatch):
     """A target and a draft model whose costs are fixed curves: drafting pays a little per
     token (the prior's expected gain about 1.2), the prompt read costs 200 * 0.1 * 1.8/17."""
     target, draft = tiny.llama_model(seed=4), tiny.llama_model(seed=4, layers=1)
-    monkeypatch.setattr(adaptive, "_CURVES", {
+    monkeypatch.setattr(calibration, "_CURVES", {
         model_key(target): VERIFY, model_key(draft): [DRAFT_TOKEN],
         model_key(target) + ":wide": [1.8 + 0.05 * (w - 17) for w in batch_policy.WIDE]})
     return target, draft

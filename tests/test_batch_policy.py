@@ -12,7 +12,7 @@ import pytest
 
 import mlx_spec
 import tiny
-from mlx_spec import BatchDecoder, adaptive, batch_policy
+from mlx_spec import BatchDecoder, adaptive, batch_policy, calibration
 from mlx_spec.batch_policy import FixedK
 from mlx_spec.taps import SeeThrough, decoder_stack
 from mlx_spec.drafters.base import EMPTY
@@ -228,8 +228,8 @@ def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tm
     """Four rows drafting need the batched verify curve (up to 136 tokens), measured on the
     first batched step. Timed with it (the wrong rule), that step would
     teach the batch that its shape costs many times what it does."""
-    monkeypatch.setattr(adaptive, "cache_dir", lambda: tmp_path)
-    monkeypatch.setattr(adaptive, "_CURVES", {})
+    monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(calibration, "_CURVES", {})
     model = slowed(tiny.llama_model(hidden=48, heads=3, kv_heads=1), 0.004)
     seen, real = [], batch_policy.observe_batch
     monkeypatch.setattr(batch_policy, "observe_batch",
@@ -237,10 +237,10 @@ def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tm
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=4)
     for p in PROMPTS:
         decoder.add(p, mlx_spec.NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens="auto")
-    before = adaptive.calibration_seconds()
+    before = calibration.calibration_seconds()
     while decoder.busy:
         for uid, block in decoder.step():
             if block and block[-1].finish_reason is not None:
                 decoder.release(uid)
-    assert adaptive.calibration_seconds() - before > 0.5  # the wide curve was measured mid-run
+    assert calibration.calibration_seconds() - before > 0.5  # the wide curve was measured mid-run
     assert seen and max(seen) < 0.3

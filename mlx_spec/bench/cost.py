@@ -5,7 +5,7 @@ tokens) per step. If that forward cost as much as a one-token step, every
 accepted token would be free; on real hardware it grows with n (compute-bound
 CPUs more than bandwidth-bound GPUs), and the best k is where the extra
 accepted tokens stop paying for the wider forward. The measurement itself is
-the adaptive policy's calibration (`mlx_spec.adaptive.measure_verify_seconds`),
+the adaptive policy's calibration (`mlx_spec.calibration.measure_verify_seconds`),
 so the benchmark reports exactly the curve `auto` plans with.
 """
 
@@ -20,7 +20,7 @@ def verify_times(model, n_max: int = 16, context: int = 256, repeats: int = 3) -
     The fastest of `repeats` timed passes (interference only adds time), made
     non-decreasing in n; `times[n - 1]` is the block of n tokens.
     """
-    from ..adaptive import measure_verify_seconds
+    from ..calibration import measure_verify_seconds
 
     if n_max < 1 or context < 1 or repeats < 1:
         raise ValueError("n_max, context and repeats must all be >= 1")

@@ -168,7 +168,7 @@ class Engine:
 
     def _warm_up(self) -> None:
         from .. import decode
-        from ..adaptive import verify_seconds
+        from ..calibration import verify_seconds
 
         decode.generate(self.model, self.tokenizer, [self.vocab_size // 2] * 4, None, max_tokens=2)
         if self.drafter is not None and self.num_draft_tokens == "auto":
