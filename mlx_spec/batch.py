@@ -33,7 +33,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
-from .calibration import calibration_seconds
+from .calibration import one_time_seconds
 from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
@@ -224,7 +224,7 @@ class BatchDecoder:
     def _verify(self) -> list[tuple[int, list[Response]]]:
         rows = self.active
         self.width = len(rows)
-        t0, calibrated = time.perf_counter(), calibration_seconds()
+        t0, once = time.perf_counter(), one_time_seconds()
         choices = choose_lengths(self.model, rows)
         if self.flight is not None and any(k for k, _ in choices):
             self._land()  # a probe after all: the plain step queued for this one is taken back
@@ -235,7 +235,7 @@ class BatchDecoder:
             for row in list(rows):  # a failed step ends every row in it
                 self._finish(row)
             raise
-        seconds = time.perf_counter() - t0 - (calibration_seconds() - calibrated)  # not a calibration's
+        seconds = time.perf_counter() - t0 - (one_time_seconds() - once)  # (a calibration, a backlog read)
         learn = seconds if timed else None  # what the policies learn from (`batch_plain.step`)
         if learn is not None and len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded: no timings
             from .batch_policy import observe_batch

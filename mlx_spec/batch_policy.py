@@ -129,10 +129,13 @@ class BatchCosts:
     def correction(self, rows: int, width: int) -> float:
         """Observed over predicted seconds at this shape; a shape never observed takes that of
         the nearest width observed with as many rows (whatever slows those steps, load or
-        overhead, is assumed to slow it alike), else 1."""
+        overhead, is assumed to slow it alike), else 1. Plain steps (width 1) and verifies
+        (width > 1) never stand in for each other: a verify's time includes its drafters', which
+        is predicted less well, and a plain step priced at a verify's ratio makes drafting look
+        cheaper than it is."""
         if (rows, width) in self.ratio:
             return self.ratio[(rows, width)]
-        near = [(abs(w - width), w) for r, w in self.ratio if r == rows]
+        near = [(abs(w - width), w) for r, w in self.ratio if r == rows and (w > 1) == (width > 1)]
         return self.ratio[(rows, min(near)[1])] if near else 1.0
 
 
@@ -341,15 +344,19 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     A row whose drafter's first read of its backlog would cost more than drafting can save
     decodes plainly from here on (`Row.drafting_pays`). On a sharded target every rank takes
     rank 0's choices (timings differ between ranks)."""
+    policies = [r.lengths for r in rows]
     if len(rows) == 1:
         choices = [rows[0].lengths.choose()]
     else:
-        choices = choose_for_batch(model, [r.lengths for r in rows])
-    if all(isinstance(r.lengths, FixedK) for r in rows):
+        choices = choose_for_batch(model, policies)
+    if all(isinstance(p, FixedK) for p in policies):
         return choices
+    # In a batch a row's drafting saves it its share of the batch's plain step, not a step alone.
+    share = _seconds(model, policies, [0] * len(rows), _costs(model), drafting=False) / len(rows) \
+        if len(rows) > 1 else None
     from .distributed import agree_lengths
 
-    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain)
+    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain, share)
                                     else (k, gain) for row, (k, gain) in zip(rows, choices)])
     for row, (k, _) in zip(rows, choices):
         if k < 0:

@@ -121,13 +121,18 @@ def _write_curve(path: Path, times: list[float]) -> None:
                     "for this process (set MLX_SPEC_CACHE to a writable folder)", path, e)
 
 
-_CALIBRATING = [0.0]  # seconds this process spent measuring cost curves
+_ONCE = [0.0]  # seconds this process spent inside steps on work that is not the step's own
 
 
-def calibration_seconds() -> float:
-    """Seconds spent so far measuring cost curves: a step that had to calibrate first (a batch
-    met a new width) subtracts them from the time it learns from."""
-    return _CALIBRATING[0]
+def one_time_seconds() -> float:
+    """Seconds spent so far inside decode steps on one-time work: measuring cost curves (a
+    batch met a new width) and a draft model reading its backlog (the prompt) before its
+    first draft. A step subtracts them from the time it learns its shape's cost from."""
+    return _ONCE[0]
+
+
+def spent_once(seconds: float) -> None:
+    _ONCE[0] += seconds
 
 
 def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeats: int = 3) -> list[float]:
@@ -158,7 +163,7 @@ def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeat
             rollback(cache, n)
     for i in range(1, n_max):
         best[i] = max(best[i], best[i - 1])
-    _CALIBRATING[0] += time.perf_counter() - start
+    spent_once(time.perf_counter() - start)
     return best
 
 

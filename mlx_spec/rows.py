@@ -157,12 +157,14 @@ class Row:
         self.block, self.y = len(out), y
         return out
 
-    def drafting_pays(self, gain: float) -> bool:
+    def drafting_pays(self, gain: float, step: float | None = None) -> bool:
         """Before its first draft: whether the drafter reading its backlog (the prompt, for a
         draft model: `backlog`) costs less than drafting is expected to save over the tokens
         still to come, at most `max_tokens` of them at the policy's expected `gain` over plain
         decoding. When it does not pay at the first draft it never will (the backlog only
         grows, the tokens left only shrink), so the row then decodes plainly to the end.
+        `step`: this row's share of a plain step's seconds (in a batch of B rows, 1/B of the
+        batch's step: drafting saves the row that share); default its own plain step.
 
         Reading costs the draft model's one-token forward (`draft_per_token`) times what a
         prompt token costs the target relative to its one-token forward: measured on this
@@ -177,7 +179,8 @@ class Row:
         if self.lengths.timed and tokens >= CATCH_UP_MIN:
             share = min(share, seconds / tokens / (costs.verify[0] * (self.lengths.scale or 1.0)))
         left = self.req.max_tokens - len(self.out)
-        return left * self.lengths.seconds(0) * (1 - 1 / gain) > backlog * costs.draft_per_token * share
+        step = self.lengths.seconds(0) if step is None else step
+        return left * step * (1 - 1 / gain) > backlog * costs.draft_per_token * share
 
     # ---- the end -----------------------------------------------------------------------
     def settle(self, seen: int | None = None) -> None:

@@ -3,6 +3,7 @@ drafting cannot repay that read decodes plainly from its first step (`Row.drafti
 a short answer to a long prompt no longer pays for the draft model's prefill. Lossless
 either way."""
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from mlx_spec import BatchDecoder, DraftModelDrafter, batch_policy, calibration
 from mlx_spec.adaptive import AdaptiveK, CostModel
 from mlx_spec.calibration import model_key
 from mlx_spec.rows import Row
+from mlx_spec.taps import SeeThrough, decoder_stack
 from runs import mlx_lm_greedy as reference
 from test_batch import drain
 
@@ -57,6 +59,55 @@ def test_in_a_batch_each_row_weighs_its_own_backlog(pair):
     short, long = (decoder.last_stats[u] for u in uids)
     assert short.plain_reason == "backlog" and short.drafted == 0
     assert long.plain_reason is None and long.drafted > 0
+
+
+def test_a_row_that_repays_the_read_alone_does_not_in_a_wide_batch(pair):
+    """Drafting saves a row of a batch its share of the batch's plain step, not a step alone:
+    30 tokens repay the prompt read alone (a token saves about 1.0 * (1 - 1/1.22) of a step),
+    not in a batch of four (about 1.15/4 * (1 - 1/1.11)). Priced at a step alone (the wrong
+    rule), the four rows would each read their prompt and draft."""
+    target, draft = pair
+    alone = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, DraftModelDrafter(draft),
+                                          max_tokens=30, seed=1))
+    assert alone[-1].stats.drafted > 0
+    base = DraftModelDrafter(draft)
+    decoder = BatchDecoder(target, tiny.tokenizer(), max_batch=4)
+    uids = [decoder.add(PROMPT, base.fork(), max_tokens=30, seed=1) for _ in range(4)]
+    out, widths = drain(decoder)
+    assert max(widths) == 4
+    for uid in uids:
+        assert out[uid] == [r.token for r in alone]
+        stats = decoder.last_stats[uid]
+        assert stats.plain_reason == "backlog" and stats.drafted == 0
+
+
+class PerToken(SeeThrough):
+    """A layer whose forward costs 2 ms of host time per token it reads."""
+
+    def __call__(self, x, *args, **kwargs):
+        time.sleep(0.002 * x.shape[1])
+        return self.inner(x, *args, **kwargs)
+
+
+def test_a_step_where_draft_models_read_their_prompts_is_timed_without_the_reads(pair, monkeypatch):
+    """Two rows whose draft model reads its 200-token prompt (0.4 s each here) in their first
+    drafting step. Timed with the reads (the wrong rule), that step would teach the batch that
+    its verify costs many times what it does, and drafting would look dear for long after."""
+    target, draft = pair
+    stack = decoder_stack(draft)
+    stack.layers[0] = PerToken(stack.layers[0])
+    seen, real = [], batch_policy.observe_batch
+    monkeypatch.setattr(batch_policy, "observe_batch",
+                        lambda m, policies, ks, s: seen.append(s) or real(m, policies, ks, s))
+    base = DraftModelDrafter(draft)
+    decoder = BatchDecoder(target, tiny.tokenizer(), max_batch=2)
+    uids = [decoder.add(PROMPT, base.fork(), max_tokens=60) for _ in range(2)]
+    before = calibration.one_time_seconds()
+    out, widths = drain(decoder)
+    assert max(widths) == 2 and all(decoder.last_stats[u].drafted > 0 for u in uids)  # both read
+    assert seen and max(seen) < 0.3
+    assert calibration.one_time_seconds() - before >= 0.8
+    assert all(out[u] == reference(target, PROMPT, 60) for u in uids)
 
 
 def test_a_mixed_drafter_whose_model_half_does_not_pay_drafts_with_its_ngram_half(pair):

@@ -164,6 +164,10 @@ def test_a_new_process_starts_from_the_batch_costs_the_last_one_measured(synthet
     assert costs.correction(4, 2) == pytest.approx(3.0)
     assert costs.correction(4, 3) == pytest.approx(3.0)  # unobserved: the nearest width's
     assert costs.correction(2, 2) == 1.0  # nothing known with two rows
+    # A plain step never takes a verify's ratio (that includes the drafters' time), nor the reverse.
+    assert costs.correction(4, 1) == 1.0
+    batch_policy.observe_batch(model, rows, [0, 0, 0, 0], 0.5 * batch_policy._seconds(model, rows, [0, 0, 0, 0], None))
+    assert costs.correction(4, 1) == pytest.approx(0.5) and costs.correction(4, 5) == pytest.approx(3.0)
 
 
 @pytest.mark.parametrize("together", [True, False])
@@ -237,10 +241,10 @@ def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tm
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=4)
     for p in PROMPTS:
         decoder.add(p, mlx_spec.NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens="auto")
-    before = calibration.calibration_seconds()
+    before = calibration.one_time_seconds()
     while decoder.busy:
         for uid, block in decoder.step():
             if block and block[-1].finish_reason is not None:
                 decoder.release(uid)
-    assert calibration.calibration_seconds() - before > 0.5  # the wide curve was measured mid-run
+    assert calibration.one_time_seconds() - before > 0.5  # the wide curve was measured mid-run
     assert seen and max(seen) < 0.3

@@ -18,15 +18,16 @@ to which rows of its cache; a chain is the tree whose fed rows are its first k -
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import logging
+import time
+from typing import Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
+from ..calibration import spent_once
 from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, pick, vocab_size
@@ -114,13 +115,16 @@ class DraftModelDrafter(SavesState):
         """A backlog of more than `CATCH_UP` tokens (the prompt) is read now, in chunks of
         which only the cache is evaluated (their logits are never computed: a 150k-token LM
         head over a whole prompt would cost more than the rest); a shorter one goes in with
-        the next proposal's own forward."""
+        the next proposal's own forward. The read is one-time work, not part of what the
+        step's shape costs (`calibration.spent_once`)."""
         if len(self._pending) <= CATCH_UP:
             return
+        start = time.perf_counter()
         for i in range(0, len(self._pending), PREFILL_CHUNK):
             self.model(mx.array(self._pending[i : i + PREFILL_CHUNK])[None], cache=self.cache)
             mx.eval([c.state for c in self.cache])
         self._pending = []
+        spent_once(time.perf_counter() - start)
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._catch_up()
