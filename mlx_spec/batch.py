@@ -9,7 +9,8 @@
         decoder.release(...)                     # rows the caller is done with
 
 Each step: at most one prefill chunk of a newly added row (a long prompt never
-stalls the others for long), then one verify forward over every decoding row,
+stalls the others for long; short prompts of rows at the front of the queue are read
+together, within one chunk), then one verify forward over every decoding row,
 each with its own draft (its own drafter, length, sampling and seed), and each
 row keeps exactly its own accepted prefix (`mlx_spec.batch_cache`). A single
 row is the batch of one: its own cache, any cache kind. Plain and quantized KV,
@@ -111,15 +112,15 @@ class BatchDecoder:
     def step(self) -> list[tuple[int, list[Response]]]:
         """Advance every row by one step; returns each row's new responses.
 
-        With rows already decoding, one prefill chunk of the next waiting row goes first;
+        With rows already decoding, one prefill chunk of the next waiting row goes first (or
+        the short prompts of the rows at the front of the queue, read together);
         with none, every waiting row that fits is prefilled whole, so they start together.
         """
         events, decoding = [], bool(self.active)
         self.width = 0  # rows verified together in this step
         with mx.stream(generation_stream):
-            if not decoding:
-                self._start_together(events)
-            while (row := self._next_waiting()) is not None:
+            grouped = self._start_together(events, decoding)
+            while not (decoding and grouped) and (row := self._next_waiting()) is not None:
                 try:
                     first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
@@ -139,18 +140,22 @@ class BatchDecoder:
                 events += self._verify()
         return events
 
-    def _start_together(self, events: list) -> None:
-        """With nothing decoding: the waiting rows at the front that can share one batch and
-        are `verify.fresh` are prefilled together (`verify.prefill_together`), then start."""
-        group, kind = [], None
-        for row in self.waiting[: self.max_batch]:
+    def _start_together(self, events: list, decoding: bool) -> bool:
+        """The waiting rows at the front that can share one batch and are `verify.fresh` are
+        prefilled together (`verify.prefill_together`), then start. While rows decode: as many
+        as the batch has room for, of its cache kind, and only while their prompts together
+        fit one prefill chunk (what the decoding rows wait for stays a chunk's read)."""
+        group, tokens = [], 0
+        kind = self._kind(self.active[0]) if decoding else None
+        for row in self.waiting[: self.max_batch - len(self.active)]:
             mine = self._kind(row) if verify.fresh(row) else None
-            if mine is None or (group and mine != kind):
+            tokens += len(row.req.prompt)
+            if mine is None or (group or decoding) and mine != kind or decoding and tokens > self.prefill_chunk:
                 break
             group.append(row)
             kind = mine
         if len(group) < 2:
-            return
+            return False
         try:
             firsts = [row.prefilled(*first) for row, first in zip(group, verify.prefill_together(self.model, group))]
         except BaseException:
@@ -158,6 +163,7 @@ class BatchDecoder:
             raise
         for row, first in zip(group, firsts):
             self._started(row, first, events)
+        return True
 
     def _drop_waiting(self, rows: list[Row]) -> None:
         for row in rows:

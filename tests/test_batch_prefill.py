@@ -81,3 +81,26 @@ def test_seeded_sampled_rows_read_together_draw_what_they_draw_alone():
                                   seed=[0, 1, 2, 3], **kw)
     assert res.tokens == alone
     assert mx.array(alone).size > 0
+
+
+def test_rows_arriving_while_others_decode_are_read_together_within_one_chunk(monkeypatch):
+    """Two rows decode; three more arrive. The first two of them (13 + 5 tokens) fit one
+    20-token prefill chunk and are read in one forward on the next step; the third (8 more)
+    would not, so it is read alone after them. Every output is still its solo output."""
+    m = tiny.llama_model()
+    calls = []
+    real = verify.prefill_together
+    monkeypatch.setattr(verify, "prefill_together", lambda model, rows: calls.append(len(rows)) or real(model, rows))
+    d = BatchDecoder(m, tiny.tokenizer(), max_batch=5, prefill_chunk=20)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
+    first = [d.add(p, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3) for p in prompts[:2]]
+    out = {u: [r.token for r in block] for u, block in d.step()}
+    assert calls == [2] and d.width == 2
+    later = [d.add(p, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3) for p in prompts[2:]]
+    for uid, block in d.step():
+        out[uid] = out.get(uid, []) + [r.token for r in block]
+    assert calls == [2, 2] and d.width == 4  # the two joined the batch in the same step
+    drain(d, collect=out)
+    assert calls == [2, 2]  # the third was read alone
+    for uid, p in zip(first + later, prompts):
+        assert out[uid] == reference(m, p, 12)
