@@ -166,13 +166,21 @@ class Row:
         `step`: this row's share of a plain step's seconds (in a batch of B rows, 1/B of the
         batch's step: drafting saves the row that share); default its own plain step.
 
+        A policy that has never seen a draft (nothing learned in this process, nothing kept
+        from an earlier one) reads the backlog anyway: its acceptance is then only the cautious
+        prior, at which a draft model that pays well in practice can look as if it never
+        could, and without one draft nothing would ever be learned. That read is paid once per
+        model, drafter kind and sampling mode (what is learned is kept); seeded rows, whose
+        policies learn nothing between requests, are weighed as any other.
+
         Reading costs the draft model's one-token forward (`draft_per_token`) times what a
         prompt token costs the target relative to its one-token forward: measured on this
         row's own prefill (timed policies), else the calibrated 17-token forward's share, an
         upper bound."""
         backlog, costs = getattr(self.drafter, "backlog", 0), self.lengths.costs
         if (self.stats.drafted or backlog < CATCH_UP_MIN or not costs.draft_per_token
-                or self.req.max_tokens is None):  # no limit: any lasting gain repays it
+                or self.req.max_tokens is None  # no limit: any lasting gain repays it
+                or self.lengths.timed and not any(map(any, self.lengths.seen))):  # cold: learn
             return True
         share = costs.verify[-1] / len(costs.verify) / costs.verify[0]  # a prompt token / a step
         tokens, seconds = self.prefill_time

@@ -110,6 +110,28 @@ def test_a_step_where_draft_models_read_their_prompts_is_timed_without_the_reads
     assert all(out[u] == reference(target, PROMPT, 60) for u in uids)
 
 
+def test_a_policy_that_never_saw_a_draft_reads_the_prompt_to_learn(pair, monkeypatch):
+    """A draft model at half a target step a token: at the cold prior's acceptance (0.4) no
+    draft length pays, so `auto` parks and probes. Weighed at that prior, the probe could
+    never repay the prompt read, nothing would ever be learned, and the draft model would
+    never run on a long prompt (the wrong rule). The first probe of a policy that has seen
+    no draft reads it; once the policy has learned something, the read is weighed again."""
+    target, draft = pair
+    monkeypatch.setitem(calibration._CURVES, model_key(draft), [0.5])
+    drafter = DraftModelDrafter(draft)
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, drafter, max_tokens=30))
+    stats = out[-1].stats
+    assert [r.token for r in out] == reference(target, PROMPT, 30)
+    assert stats.plain_reason is None and stats.drafted > 0 and stats.target_forwards > 4  # parked first
+    for timed in (True, False):  # (untimed: a seeded row's fresh policy, which learns nothing)
+        policy = AdaptiveK(CostModel(VERIFY, 0.5), 4, timed=timed)
+        row = SimpleNamespace(drafter=SimpleNamespace(backlog=200), lengths=policy, prefill_time=[0, 0.0],
+                              stats=SimpleNamespace(drafted=0), req=SimpleNamespace(max_tokens=4), out=[])
+        assert Row.drafting_pays(row, 0.9) is timed
+        policy.observe(1, 1)
+        assert not Row.drafting_pays(row, 0.9)  # it has seen a draft: weighed again
+
+
 def test_a_mixed_drafter_whose_model_half_does_not_pay_drafts_with_its_ngram_half(pair):
     """n-gram + draft model on a short answer to a long prompt: the draft model's read does not
     pay, so the draft model never runs, and prompt lookup (nothing to read) drafts alone."""
@@ -129,6 +151,7 @@ def test_a_timed_row_weighs_the_read_at_its_own_measured_prefill_speed():
     """The calibrated 17-token forward (1.8/17 of a step a token) is an upper bound on what
     a prompt token costs; a row whose own prefill ran at 1/100 of a step a token uses that."""
     policy = AdaptiveK(CostModel(VERIFY, DRAFT_TOKEN), 4)
+    policy.seen[0][0] = 5  # it has seen drafts (a cold timed policy reads the backlog to learn)
 
     def pays(timed: bool, prefill_time, left: int | None = 10) -> bool:
         policy.timed = timed
