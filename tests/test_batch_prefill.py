@@ -94,11 +94,16 @@ def test_rows_arriving_while_others_decode_are_read_together_within_one_chunk(mo
     d = BatchDecoder(m, tiny.tokenizer(), max_batch=5, prefill_chunk=20)
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
     first = [d.add(p, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3) for p in prompts[:2]]
-    out = {u: [r.token for r in block] for u, block in d.step()}
+    out = {}
+
+    def step():  # (a row's first token and its first verified block come as two events)
+        for uid, block in d.step():
+            out.setdefault(uid, []).extend(r.token for r in block)
+
+    step()
     assert calls == [2] and d.width == 2
     later = [d.add(p, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3) for p in prompts[2:]]
-    for uid, block in d.step():
-        out[uid] = out.get(uid, []) + [r.token for r in block]
+    step()
     assert calls == [2, 2] and d.width == 4  # the two joined the batch in the same step
     drain(d, collect=out)
     assert calls == [2, 2]  # the third was read alone
