@@ -59,6 +59,14 @@ def test_draft_vocab_or_taps_the_target_lacks(tmp_path, target, vocab, taps, mat
     assert not out.exists()
 
 
+def test_unknown_init_fails_before_any_work(tmp_path, target):
+    model, tok = target
+    out = tmp_path / "out"
+    _fail(lambda: train_eagle3(model, tok, out, prompts=PROMPTS, draft_vocab=32, tap_layers=[1, 2, 4],
+                               init="zeros"), r"--init 'zeros': choose one of target, random", out)
+    assert not out.exists()
+
+
 def test_head_made_for_another_target(tmp_path, target):
     model, tok = target
     other = tiny.llama_model(layers=6, hidden=32)

@@ -201,12 +201,31 @@ def chain(
     return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
 
 
-def target_lm_head(model):
-    """The target's output projection: its own `lm_head`, or the tied embedding."""
+def _output_module(model):
+    """The module holding the target's output rows: its own `lm_head`, or the tied embedding."""
     for owner in (model, getattr(model, "language_model", None)):
         if owner is not None and "lm_head" in owner:
-            return owner["lm_head"]
-    return embedding(decoder_stack(model)).as_linear
+            return owner["lm_head"], False
+    return embedding(decoder_stack(model)), True
+
+
+def target_lm_head(model):
+    """The target's output projection: its own `lm_head`, or the tied embedding."""
+    m, tied = _output_module(model)
+    return m.as_linear if tied else m
+
+
+def target_output_rows(model, ids) -> mx.array:
+    """Rows `ids` of the target's output projection as dense float32 [len(ids), H]
+    (dequantized when the target is quantized): row i scores token ids[i]."""
+    m, _ = _output_module(model)
+    ids = mx.array(ids, dtype=mx.int32)
+    w = m["weight"][ids]
+    if "scales" in m:
+        biases = m["biases"][ids] if "biases" in m else None
+        w = mx.dequantize(w, m["scales"][ids], biases, group_size=m.group_size, bits=m.bits,
+                          mode=getattr(m, "mode", "affine"))
+    return w.astype(mx.float32)
 
 
 def vocab_size(model) -> int:

@@ -1,7 +1,8 @@
 """The train command and its jobs (eagle3, realign, export): train draft heads here (docs/training.md).
 
     mlx-spec train eagle3  --model M --out DIR [--prompts FILE] [--samples N] [--max-length L]
-                           [--epochs E | --steps S] [--draft-vocab V] [--tap-layers a,b,c] [--resume]
+                           [--epochs E | --steps S] [--draft-vocab V] [--tap-layers a,b,c]
+                           [--init target|random] [--resume]
     mlx-spec train realign --drafter HEAD_DIR --model M --out DIR [...]
     mlx-spec train export  DIR OUT --layout {midlayer,speculators} --model M
 """
@@ -46,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: min(16384, target's))")
     e.add_argument("--data-from", help="reuse the generated data and held-out prompts of an earlier run's "
                    "folder instead of generating them (e.g. to try other settings)")
+    e.add_argument("--init", choices=("target", "random"), default="target",
+                   help="how the head's output layer starts: as the target's own LM head and final norm, "
+                        "cut to the draft vocabulary (default), or random")
     e.add_argument("--tap-layers", help="target layers whose outputs the head reads, e.g. 1,14,26 "
                    "(default: EAGLE-3's low/mid/high: 1, N//2-1, N-4)")
     r = sub.add_parser("realign", help="fine-tune an existing EAGLE-3 head to this target",
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
             from .run import train_eagle3
 
             train_eagle3(model, tokenizer, args.out, draft_vocab=args.draft_vocab, data_from=args.data_from,
-                         tap_layers=_taps(args.tap_layers), **common)
+                         tap_layers=_taps(args.tap_layers), init=args.init, **common)
         else:
             from .run import realign
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..drafters.base import check_target, vocab_size
-from ..taps import EMBED, decoder_stack
+from ..drafters.base import check_target, target_output_rows, vocab_size
+from ..taps import EMBED, decoder_stack, final_norm_name
 from . import data as D
 from .evaluate import evaluate, summary
 from .export import head_config, save_json, target_identity
@@ -92,6 +92,26 @@ def _load_data(out: Path) -> tuple[list, list]:
     return D.read_jsonl(out / "data.jsonl"), [r["messages"] for r in D.read_jsonl(out / "eval.jsonl")]
 
 
+INITS = ("target", "random")  # how a new head's output layer starts (--init)
+
+
+def init_from_target(head, model, ids) -> list:
+    """Start the head's output layer as the target's own, cut to the draft vocabulary: `lm_head`
+    row i = the target's output row for token ids[i], and `norm` = the target's final norm when
+    that is a plain RMSNorm (same formula). A head trained on a few thousand sequences then only
+    has to learn what to feed that layer, not a vocabulary-sized projection from scratch.
+    Returns the names of the parameters set."""
+    head.lm_head.weight = target_output_rows(model, ids).astype(head.lm_head.weight.dtype)
+    done = ["lm_head"]
+    stack = decoder_stack(model)
+    name = final_norm_name(stack)
+    norm = getattr(stack, name) if name else None
+    if type(norm) is type(head.norm) and norm.weight.shape == head.norm.weight.shape:
+        head.norm.weight = norm.weight.astype(head.norm.weight.dtype)
+        done.append("norm")
+    return done
+
+
 def _steps(steps, epochs, n: int) -> int:
     return int(steps) if steps else max(1, int(round(epochs * n)))
 
@@ -115,12 +135,14 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                  draft_vocab: int | None = None, tap_layers=None, resume: bool = False, seed: int = 0,
                  lr: float = 3e-4, ttt_steps: int = 7, checkpoint_every: int = 200, log_every: int = 10,
                  eval_k: int = 4, eval_tokens: int = 128, data_from=None, topics=TOPICS,
-                 feature_cache_gb: float = 2.0, on_step=None,
+                 feature_cache_gb: float = 2.0, init: str = "target", on_step=None,
                  log=_err) -> dict:
     """Train a new EAGLE-3 head for `model` into `out`; returns the evaluation figures.
 
     `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them);
-    `data_from`: the folder of an earlier run whose data (and held-out prompts) to reuse."""
+    `data_from`: the folder of an earlier run whose data (and held-out prompts) to reuse;
+    `init`: "target" starts the head's output layer as the target's (`init_from_target`),
+    "random" as a fresh layer."""
     from ..drafters.eagle import Eagle3Head
 
     out = Path(out)
@@ -145,6 +167,8 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                           f"pass at most {V}")
     if draft_vocab < 1:
         raise D.DataError(f"--draft-vocab must be at least 1, got {draft_vocab}")
+    if init not in INITS:
+        raise ValueError(f"--init {init!r}: choose one of {', '.join(INITS)}")
     taps = check_taps(model, tap_layers)
     if data_from is not None and not (Path(data_from) / "data.jsonl").is_file():
         raise ValueError(f"--data-from {data_from}: no data.jsonl there (the folder of an earlier train run)")
@@ -165,11 +189,14 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     mx.random.seed(seed)
     head = Eagle3Head(cfg)
     d2t = mx.array(ids)
+    if init == "target":
+        log("output layer from the target's: " + ", ".join(init_from_target(head, model, ids)))
     mx.eval(head.parameters())
     settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
                         checkpoint_every=checkpoint_every, log_every=log_every,
                         feature_cache_gb=feature_cache_gb, taps=taps)
-    save_json(out / "train.json", {"kind": "eagle3", "settings": settings_dict(settings), "eval_k": eval_k,
+    save_json(out / "train.json", {"kind": "eagle3", "init": init, "settings": settings_dict(settings),
+                                   "eval_k": eval_k,
                                    "eval_tokens": eval_tokens, "samples": len(rows)})
     trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
     trainer.save()  # step 0: the folder is a loadable head (and resumable) from the start
