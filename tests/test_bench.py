@@ -74,6 +74,21 @@ def test_preset_says_what_is_missing_and_exits_nonzero(capsys, monkeypatch):
     assert "no dflash here" in capsys.readouterr().err
 
 
+def test_mixed_method_drafts_with_both_members_and_keeps_the_plain_output(tiny_models):
+    from mlx_spec import DraftModelDrafter, MixedDrafter, NGramDrafter
+
+    (model, tok), (draft, draft_tok) = tiny_models["target"], tiny_models["draft"]
+    ctx = methods.Context(model=model, tokenizer=tok, draft_model=draft, draft_tokenizer=draft_tok)
+    ids = [5, 9, 13, 5, 9, 13, 5, 9]
+    plain = [r.token for r in methods.METHODS["baseline"].stream(ctx, ids, None, 12, None)]
+    out = list(methods.METHODS["mixed"].stream(ctx, ids, 3, 12, None))
+    assert [r.token for r in out] == plain
+    (drafter,) = ctx.drafters.values()
+    assert isinstance(drafter, MixedDrafter)
+    assert [type(d) for d in drafter.drafters] == [NGramDrafter, DraftModelDrafter]
+    assert sum(r.from_draft for r in out) > 0  # drafts were accepted, not just proposed
+
+
 def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys):
     out = tmp_path / "run"
     cli.main(["bench", "--model", "target", "--methods", "baseline,ngram", "--suites", "chat",

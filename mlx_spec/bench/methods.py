@@ -113,6 +113,12 @@ def _draft_model(ctx):
     return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer)
 
 
+def _mixed(ctx):
+    from mlx_spec import MixedDrafter
+
+    return MixedDrafter(_ngram(ctx), _draft_model(ctx))
+
+
 def _head(kind: str) -> Method:
     """A head drafter read from `--drafter PATH`."""
 
@@ -148,6 +154,8 @@ METHODS: dict[str, Method] = {
                     uses_k=True),
     "draft": Method("draft", "mlx-spec with --draft-model (DraftModelDrafter)",
                     _mlx_spec(_draft_model), uses_k=True, requires=("draft_model",)),
+    "mixed": Method("mixed", "mlx-spec with n-gram and --draft-model in one tree (--draft ngram+model)",
+                    _mlx_spec(_mixed), uses_k=True, requires=("draft_model",)),
     **{kind: _head(kind) for kind in ("mtp", "eagle", "eagle3", "dflash", "dspark")},
 }
 DEFAULT_METHODS = ("baseline", "mlx-spec", "mlx-lm-draft", "ngram", "draft")
