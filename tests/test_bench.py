@@ -89,6 +89,25 @@ def test_mixed_method_drafts_with_both_members_and_keeps_the_plain_output(tiny_m
     assert sum(r.from_draft for r in out) > 0  # drafts were accepted, not just proposed
 
 
+@pytest.mark.parametrize("temp, seeds", [(0.0, [None, None]), (0.7, [5, 6])])
+def test_greedy_runs_are_unseeded_so_auto_keeps_what_it_learns(tiny_models, temp, seeds):
+    """A seeded request gets a fresh `auto` policy (it must repeat); greedy runs repeat anyway,
+    so the bench seeds only sampled runs (with the draft model on auto, seeded greedy runs
+    never drafted: a fresh policy cannot repay the prompt read at its cautious prior)."""
+    seen = []
+
+    def recording(ctx, ids, k, max_tokens, seed):
+        seen.append(seed)
+        return methods.METHODS["baseline"].stream(ctx, ids, k, max_tokens, seed)
+
+    model, tok = tiny_models["target"]
+    ctx = methods.Context(model=model, tokenizer=tok, temp=temp)
+    variant = methods.Variant(methods.Method("rec", "records its seed", recording))
+    prompts = [suites.Prompt("chat", f"p{i}", f"w{5 + i} w9") for i in range(2)]
+    harness.run_bench(ctx, [variant], prompts, max_tokens=2, seed=5, warmup=False, progress=lambda m: None)
+    assert seen == seeds
+
+
 def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys):
     out = tmp_path / "run"
     cli.main(["bench", "--model", "target", "--methods", "baseline,ngram", "--suites", "chat",

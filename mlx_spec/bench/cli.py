@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every method)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every method; greedy runs are unseeded)")
     p.add_argument("--cost-repeats", type=int, default=3,
                    help="timed passes for the verify cost curve (0 skips it)")
     p.add_argument("--cost-context", type=int, default=256, help="cache length behind the verify blocks")

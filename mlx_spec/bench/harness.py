@@ -115,8 +115,15 @@ def run_bench(
     warmup: bool = True,
     progress: Callable[[str], None] = _stderr,
 ) -> list[dict]:
-    """Run every variant on every prompt `repeats` times; returns one record per run."""
+    """Run every variant on every prompt `repeats` times; returns one record per run.
+
+    `seed` (+ the prompt's index) reaches the methods only when they sample: a seeded request
+    gets a fresh `auto` policy that learns nothing between requests (so that it repeats), and a
+    greedy run repeats without one, so greedy runs are unseeded, as most users' are, and what
+    `auto` learns carries over from prompt to prompt."""
     encoded = [encode_chat(ctx.tokenizer, p.text) for p in prompts]
+    if not ctx.temp:
+        seed = None
     if warmup:
         # Untimed: first calls build kernels and grow the allocator's pools.
         warm_ids = encode_chat(ctx.tokenizer, WARMUP_TEXT)
