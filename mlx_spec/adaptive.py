@@ -6,7 +6,10 @@ per second, from the expected tokens and seconds of a step at k,
     E(k) = 1 + sum_{j=1..k} prod_{i<j} a_i,   T(k) = V(k+1) + D(k)
 
 in each of two states: 1 after a step that kept its first drafted token, 0
-after any other step. Acceptance comes in runs (an n-gram match that is a real
+after a step that drafted and lost its first token or whose drafter had nothing
+to propose; a plain step the policy (or a batch) chose leaves the state as it
+was: it says nothing about the drafter, and parking must not pass for a way
+into the other state's estimates. Acceptance comes in runs (an n-gram match that is a real
 copy, an easy stretch for a draft model), so each state has its own `a_i`, and
 the rate maximised is the long-run one, sum(pi E) / sum(pi T) with pi the share
 of steps each state gets under that choice (`AdaptiveK.rates`): a cheap draft
@@ -37,7 +40,6 @@ import copy
 import hashlib
 import json
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -142,7 +144,7 @@ class AdaptiveK:
     def _curves(self, state: int) -> tuple[list[float], list[float], list[float]]:
         """For k = 0..k_max in `state`: expected tokens, seconds, P(next state is 1)."""
         estimates = self.estimates(state)
-        to_one = [0.0] + estimates[:1] * self.k_max  # the first draft token kept
+        to_one = [float(state)] + estimates[:1] * self.k_max  # k = 0 stays; else the first token kept
         return self._tokens(state, estimates), [self.seconds(k, state) for k in range(self.k_max + 1)], to_one
 
     def rates(self) -> list[float]:
@@ -203,16 +205,17 @@ class AdaptiveK:
 
     def parked_next(self) -> bool:
         """Whether the next `choose` stays parked if this step is plain: no probe due by then,
-        and k = 0 still best in the state a plain step leaves (0), whose estimates may differ
-        from this state's (a plain step queued ahead and then taken back wastes a forward)."""
+        and k = 0 still best (a plain step queued ahead and then taken back wastes a forward)."""
         if self.parked + 1 >= self.probe_every:
             return False
-        with after_plain([self]):
-            rates = self.rates()
+        rates = self.rates()
         return max(range(len(rates)), key=rates.__getitem__) == 0
 
-    def observe(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
-        """A verify step with `proposed` drafted tokens kept `accepted` of them."""
+    def observe(self, proposed: int, accepted: int, seconds: float | None = None,
+                plain_by_choice: bool = False) -> None:
+        """A verify step with `proposed` drafted tokens kept `accepted` of them
+        (`plain_by_choice`: no draft because none was asked for or a batch cut it away, not
+        because the drafter had none: the state stays as it was)."""
         estimates = self.estimates()
         accept, seen = self.accept[self.state], self.seen[self.state]
         for i in range(min(proposed, self.k_max)):
@@ -232,20 +235,8 @@ class AdaptiveK:
             shape = self.shape.get(proposed, 1.0)
             self.scale = ratio / shape if self.scale is None else self.scale + 2 * EMA * (ratio / shape - self.scale)
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
-        self.state = int(proposed > 0 and accepted > 0)
-
-
-@contextmanager
-def after_plain(policies: list):
-    """The policies as a plain step leaves them (state 0: no draft kept), to look one step ahead."""
-    saved = [p.state for p in policies]
-    for p in policies:
-        p.state = 0
-    try:
-        yield
-    finally:
-        for p, state in zip(policies, saved):
-            p.state = state
+        if proposed or not plain_by_choice:
+            self.state = int(proposed > 0 and accepted > 0)
 
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}

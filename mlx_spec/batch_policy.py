@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import adaptive, calibration
-from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, after_plain, policy_for
+from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, policy_for
 from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .cache import MAX_DRAFT
 from .identity import IdentityMap
@@ -203,17 +203,16 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
 
 def plain_next(model, policies: list) -> bool:
     """Whether the batch's next step will be plain if this one is (so it can be queued ahead):
-    no row drafts, or drafting is parked with no probe due by then and still parked in the
-    state a plain step leaves the rows in."""
+    no row drafts, or drafting is parked with no probe due by then (a plain step leaves the
+    rows' states as they are)."""
     auto = [p for p in policies if isinstance(p, AdaptiveK)]
     if not auto:
         return True
     costs = _BATCH.get(model)
     if costs is None or costs.parked + 1 >= costs.probe_every:
         return costs is None
-    with after_plain(auto):  # K = 0 still best once this plain step has put every row in state 0
-        curves = _offered_curves(policies)
-        rates = [expected_rate(model, policies, K, costs, curves)[0] for K in range(max(p.k_max for p in auto) + 1)]
+    curves = _offered_curves(policies)
+    rates = [expected_rate(model, policies, K, costs, curves)[0] for K in range(max(p.k_max for p in auto) + 1)]
     return max(range(len(rates)), key=rates.__getitem__) == 0
 
 
@@ -319,7 +318,7 @@ class FixedK:
     def choose(self) -> tuple[int, None]:
         return self.k, None
 
-    def observe(self, proposed: int, accepted: int, seconds: float | None) -> None:
+    def observe(self, proposed: int, accepted: int, seconds: float | None, plain_by_choice: bool = False) -> None:
         pass
 
     def offered(self, asked: int, proposed: int) -> None:

@@ -128,7 +128,9 @@ class Row:
         if self.drafter is not None:
             self.later = ([self.y] + v.proposed[: v.n], v.taps)
         self.lengths.offered(*self.offer)  # before `observe` moves the policy's state
-        self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds)  # per depth
+        asked, proposed = self.offer
+        self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds,  # per depth
+                             plain_by_choice=not asked or bool(proposed and not v.size))
         self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
         self.stats.sync_seconds = self.sync_seconds
         self.steps += 1

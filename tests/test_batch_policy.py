@@ -213,7 +213,7 @@ def test_only_plain_steps_that_launch_one_forward_teach_their_cost(monkeypatch):
     step would cost two forwards, and parking would look dearer than it is."""
     model = slowed(tiny.llama_model(), 0.05)  # every forward: 50 ms of host work to build
     timed = []
-    monkeypatch.setattr(FixedK, "observe", lambda self, proposed, accepted, s: timed.append(s))
+    monkeypatch.setattr(FixedK, "observe", lambda self, proposed, accepted, s, **kw: timed.append(s))
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=1)
     decoder.add(PROMPTS[0], None, max_tokens=8)
     walls = []
