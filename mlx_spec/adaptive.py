@@ -257,7 +257,10 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
     per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
 
     def fresh() -> AdaptiveK:
-        return AdaptiveK(CostModel(verify, per_token), k_max, replays=replays, timed=not seeded)
+        from .sources import SourceChoice  # a mixed drafter with a free member: one source a step
+
+        kind = SourceChoice if getattr(drafter, "free_member", None) is not None else AdaptiveK
+        return kind(CostModel(verify, per_token), k_max, replays=replays, timed=not seeded)
 
     if seeded:
         return fresh()
@@ -309,31 +312,43 @@ LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
 
 def save_learned(policy: AdaptiveK, path: Path) -> None:
     """Keep what `policy` learned for the next process (never raises: it is only a warm start)."""
-    data = {name: getattr(policy, name) for name in LEARNED}
-    data["shape"] = {str(k): v for k, v in policy.shape.items()}
-    data["timing"] = TIMING_VERSION
     try:
-        write_json(path, data)
+        write_json(path, _learned(policy))
     except OSError:
         pass
 
 
+def _learned(policy: AdaptiveK) -> dict:
+    data = {name: getattr(policy, name) for name in LEARNED}
+    data["shape"] = {str(k): v for k, v in policy.shape.items()}
+    data["timing"] = TIMING_VERSION
+    if getattr(policy, "free", None) is not None:  # `SourceChoice`: the free source's own
+        data["free"], data["free_share"] = _learned(policy.free), policy.free_share
+    return data
+
+
 def _load_learned(policy: AdaptiveK, path: Path) -> None:
     try:
-        data = json.loads(path.read_text())
-        accept, seen = data["accept"], data["seen"]
-        if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
-            return  # another draft limit: start cold
-        # Warm, but worth only a few observations, and never more pessimistic than a cold
-        # start: another process's workload (chat) may differ from this one's (code edits),
-        # and a policy that started parked would rarely look again within one request.
-        policy.accept = [[max(float(a), PRIOR) for a in row] for row in accept]
-        policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
-        if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
-            policy.scale = data["scale"]
-            policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
+        _apply_learned(policy, json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError):
         pass
+
+
+def _apply_learned(policy: AdaptiveK, data: dict) -> None:
+    accept, seen = data["accept"], data["seen"]
+    if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
+        return  # another draft limit: start cold
+    # Warm, but worth only a few observations, and never more pessimistic than a cold
+    # start: another process's workload (chat) may differ from this one's (code edits),
+    # and a policy that started parked would rarely look again within one request.
+    policy.accept = [[max(float(a), PRIOR) for a in row] for row in accept]
+    policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
+    if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
+        policy.scale = data["scale"]
+        policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
+    if getattr(policy, "free", None) is not None and "free" in data:
+        policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
+        _apply_learned(policy.free, data["free"])
 
 
 def hand_back(drafter) -> None:

@@ -231,6 +231,8 @@ class BatchDecoder:
         rows = self.active
         self.width = len(rows)
         t0, once = time.perf_counter(), one_time_seconds()
+        for row in rows:  # the caller went on: the drafters learn what it saw (a policy may look)
+            row.commit_later()
         choices = choose_lengths(self.model, rows)
         if self.flight is not None and any(k for k, _ in choices):
             self._land()  # a probe after all: the plain step queued for this one is taken back
@@ -265,7 +267,6 @@ class BatchDecoder:
         for row, (k, _) in zip(rows, choices):
             if row.req.max_tokens is not None:
                 k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
-            row.commit_later()
             ks.append(k)
         drafts = propose(rows, ks)
         for row, k, d in zip(rows, ks, drafts):

@@ -334,6 +334,8 @@ def draft_lengths(model, row: Row, recurrent: bool):
         policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
                             seeded=req.seed is not None)
         policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
+        if hasattr(policy, "serve"):  # `SourceChoice`: it looks up this row's free draft
+            policy.serve(row)
         return policy
     return FixedK(min(req.num_draft_tokens, k_max))
 

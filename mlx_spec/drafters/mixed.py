@@ -10,6 +10,11 @@ sync when a member drafts with a model). When
 a single member has something to propose, its own draft is used as is (with
 its `q`). Every member is told what the target kept, whichever branch that was:
 each trims its own state back to what was committed, as the protocol requires.
+
+With `num_draft_tokens="auto"` and a free member (prompt lookup), a request
+decoded alone drafts from one source a step instead: the free member or the
+others, whichever its policy expects to pay most (`mlx_spec.sources`); it sets
+`only` before asking.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class MixedDrafter:
             raise ValueError("MixedDrafter needs two drafters or more")
         self.drafters = list(drafters)
         self.proposing = list(drafters)  # the members that propose (all, unless `shed`)
+        self.only: str | None = None  # this step's source ("free" or "paid"; None: all merged)
+        self.read = False  # whether the paid members drafted in this request (read their backlog)
 
     @property
     def taps(self) -> tuple:
@@ -47,7 +54,29 @@ class MixedDrafter:
 
     @property
     def backlog(self) -> int:  # tokens its members must read before they draft (`DraftModelDrafter`)
+        if self.only == "free":  # this step: none
+            return 0
         return sum(getattr(d, "backlog", 0) for d in self.proposing)
+
+    @property
+    def free_member(self):
+        """The first member that drafts without a model or the target's features (prompt
+        lookup), when another one does: the source `mlx_spec.sources` weighs against the rest."""
+        free = [d for d in self.drafters if getattr(d, "model", None) is None and not d.taps
+                and hasattr(d, "context")]
+        return free[0] if free and len(free) < len(self.drafters) else None
+
+    def peek(self, y: int, k: int) -> list[int]:
+        """The free member's draft for input `y` (its first branch), as host tokens."""
+        draft = self.free_member.propose(y, k, None)
+        if not draft.size:
+            return []
+        tokens = draft.tokens.tolist()
+        return tokens if draft.parents is None else _paths(tokens, draft.parents)[0]
+
+    def context(self) -> list[int]:
+        """The committed tokens, as the free member holds them."""
+        return self.free_member.context()
 
     def shed(self):
         """Stop proposing with the members that have a backlog to read (the loop found the
@@ -64,7 +93,7 @@ class MixedDrafter:
         return None if taps is None or not drafter.taps else {t: taps[t] for t in drafter.taps}
 
     def bind(self, model, tokenizer) -> None:
-        self.proposing = list(self.drafters)
+        self.proposing, self.read = list(self.drafters), False
         for d in self.drafters:
             d.bind(model, tokenizer)
 
@@ -73,7 +102,12 @@ class MixedDrafter:
             d.prefill(tokens, self._taps_for(d, taps))
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        drafts = [d.propose(y, min(k, d.max_draft), sampling) for d in self.proposing]
+        members, (only, self.only) = self.proposing, (self.only, None)
+        if only is not None and len(members) == len(self.drafters):  # (none shed)
+            free = self.free_member
+            members = [free] if only == "free" else [d for d in members if d is not free]
+        self.read = self.read or any(getattr(d, "backlog", None) is not None for d in members)
+        drafts = [d.propose(y, min(k, d.max_draft), sampling) for d in members]
         found = [d for d in drafts if d.size]
         if not found:
             return EMPTY

@@ -121,3 +121,7 @@ class NGramDrafter(SavesState):
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         self._index.extend(tokens)
+
+    def context(self) -> list[int]:
+        """The tokens committed so far (prompt included), oldest first; not to be modified."""
+        return self._index.tokens

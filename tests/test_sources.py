@@ -1,0 +1,171 @@
+"""`auto` with a mixed drafter: one source a step (prompt lookup or the draft model), chosen by
+the cost model, the free source scored on every step it had a draft; lossless either way."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+import mlx_spec
+import tiny
+from mlx_spec import adaptive, calibration
+from mlx_spec.adaptive import CostModel, _load_learned, save_learned
+from mlx_spec.calibration import model_key
+from mlx_spec.sources import FREE, PAID, SourceChoice
+from runs import mlx_lm_greedy as reference
+
+VERIFY = [1.0 + 0.05 * n for n in range(17)]  # verify cost of n = 1..17 tokens
+DRAFT_TOKEN = 0.3  # a draft model's one-token forward, in the same units
+
+
+class Lookup:
+    """A stand-in for a mixed drafter as the policy sees it: committed tokens and a free draft."""
+
+    def __init__(self, context, ahead):
+        self.tokens, self.ahead, self.only = list(context), list(ahead), None
+        self.read, self.backlog = True, 0  # a draft model that has read the prompt
+        self.pays = True
+
+    def drafting_pays(self, gain, over):  # (the row's, in this stand-in)
+        return self.pays
+
+    def context(self):
+        return self.tokens
+
+    def peek(self, y, k):
+        return self.ahead[:k]
+
+
+def policy_with(free_accept: float, paid_accept: float, seen: int = 50) -> SourceChoice:
+    policy = SourceChoice(CostModel(VERIFY, DRAFT_TOKEN), k_max=8)
+    for p, a in ((policy.free, free_accept), (policy, paid_accept)):
+        p.accept = [[a] * 8 for _ in range(2)]
+        p.seen = [[seen] * 8 for _ in range(2)]
+    return policy
+
+
+class Row(SimpleNamespace):
+    pass  # (weakly referenced)
+
+
+def serve(policy, drafter, y=5):
+    row = Row(drafter=drafter, y=y, drafting_pays=drafter.drafting_pays)
+    policy.serve(row)
+    return row  # (the policy holds it weakly: keep it alive)
+
+
+@pytest.mark.parametrize("free_accept, paid_accept, ahead, source", [
+    (0.9, 0.8, [1, 2, 3, 4, 5, 6, 7, 8], FREE),  # a lookup that copies: free beats paying
+    (0.9, 0.95, [1, 2, 3, 4, 5, 6, 7, 8], FREE),  # a little worse, but its drafts cost nothing
+    (0.2, 0.8, [1, 2, 3, 4, 5, 6, 7, 8], PAID),  # chat-like lookups: short and wrong
+    (0.9, 0.8, [], PAID),  # no match: nothing free to weigh
+])
+def test_each_step_drafts_from_the_source_expected_to_pay_most(free_accept, paid_accept, ahead, source):
+    policy, drafter = policy_with(free_accept, paid_accept), Lookup([1, 2, 3], ahead)
+    row = serve(policy, drafter)
+    k, gain = policy.choose()
+    assert k > 0 and policy.source == source == drafter.only
+    chosen = policy.free if source == FREE else policy
+    assert k == max(range(9), key=chosen.rates().__getitem__)  # that source's own best k
+    assert k >= 3
+    policy.observe(k, 2, None)  # the step's outcome goes to the source that drafted it
+    assert chosen.seen[0][2] == 51 and drafter.only is None and policy.source is None
+    other = policy if source == FREE else policy.free
+    assert other.seen[0][2] == 50 and other.state == 0 and chosen.state == 1
+    del row
+
+
+def test_a_free_draft_that_lost_is_scored_against_the_tokens_the_target_emitted():
+    """Known up to the emitted tokens: kept while it matches, the first mismatch rejected,
+    positions beyond the emitted tokens not observed at all."""
+    policy, drafter = policy_with(0.5, 0.99), Lookup([1, 2, 3], [9, 8, 7, 6])
+    row = serve(policy, drafter, y=4)
+    policy.choose()
+    assert policy.source == PAID and policy.guess == (4, [9, 8, 7, 6])  # after 1 2 3 and y = 4
+    policy.observe(2, 1, None)  # the draft model's step: two drafted, one kept, then 7 emitted
+    drafter.tokens += [4, 9]  # committed: y and the kept token; 7 is the next input
+    before = policy.free.seen[0][:]
+    row.y = 7
+    policy.choose()
+    seen, accept = policy.free.seen[0], policy.free.accept[0]
+    assert seen[:2] == [before[0] + 1, before[1] + 1]  # 9 kept, 8 seen and rejected (7 came)
+    assert seen[2:] == before[2:] and accept[1] < 0.5 < accept[0]
+    assert policy.free.state == 1  # its first token was kept
+
+
+def test_a_free_draft_longer_than_what_was_emitted_leaves_the_rest_unobserved():
+    policy, drafter = policy_with(0.5, 0.99), Lookup([1, 2, 3], [9, 8, 7, 6])
+    row = serve(policy, drafter, y=4)
+    policy.choose()
+    policy.observe(0, 0, None, plain_by_choice=True)  # (say, a plain step)
+    drafter.tokens += [4]
+    row.y = 9
+    seen = policy.free.seen[0][:]
+    policy.choose()
+    assert policy.free.seen[0][0] == seen[0] + 1 and policy.free.seen[0][1:] == seen[1:]
+    assert policy.free.accept[0][0] > 0.5  # kept, and nothing after it counted as rejected
+
+
+def test_what_both_sources_learned_is_kept_for_the_next_process(tmp_path):
+    policy = policy_with(0.85, 0.6)
+    save_learned(policy, tmp_path / "p.json")
+    again = SourceChoice(CostModel(VERIFY, DRAFT_TOKEN), k_max=8)
+    _load_learned(again, tmp_path / "p.json")
+    assert again.free.accept[0][0] == pytest.approx(0.85) and again.accept[0][0] == pytest.approx(0.6)
+
+
+@pytest.fixture
+def costs(monkeypatch, tmp_path):
+    target = tiny.llama_model(seed=2)
+    draft = tiny.llama_model(seed=2)  # the target's own weights: a draft model that is always right
+    monkeypatch.setattr(calibration, "_CURVES", {model_key(target): VERIFY, model_key(draft): [DRAFT_TOKEN]})
+    monkeypatch.setattr(adaptive, "policy_dir", lambda: tmp_path)
+    return target, draft
+
+
+def test_a_mixed_request_drafts_from_both_sources_and_keeps_the_target_output(costs, monkeypatch):
+    """Lookup has nothing before the output starts repeating, then copies: the draft model
+    drafts the first steps, prompt lookup the repeats; every token is the target's."""
+    target, draft = costs
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 3]
+    want = reference(target, prompt, 40)
+    mixed = mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(min_n=1), mlx_spec.DraftModelDrafter(draft))
+    asked = {"NGramDrafter": 0, "DraftModelDrafter": 0}
+    for member in mixed.drafters:
+        def spy(y, k, sampling, propose=member.propose, name=type(member).__name__):
+            asked[name] += 1
+            return propose(y, k, sampling)
+        member.propose = spy
+    served = []
+    monkeypatch.setattr(SourceChoice, "serve", lambda self, row, serve=SourceChoice.serve: (
+        served.append(self), serve(self, row)))
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), prompt, mixed, max_tokens=40, seed=0))
+    assert [r.token for r in out] == want
+    (policy,) = served
+    assert policy.picks[FREE] > 0 and policy.picks[PAID] > 0
+    assert asked["DraftModelDrafter"] == policy.picks[PAID]  # the model drafts only when it is picked
+    assert out[-1].stats.accepted > 0
+
+
+def test_mixed_rows_in_a_batch_merge_both_sources_and_stay_lossless(costs):
+    target, draft = costs
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 3], [4, 4, 9, 2, 4, 4]]
+    make = lambda: mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(min_n=1), mlx_spec.DraftModelDrafter(draft))  # noqa: E731
+    got = mlx_spec.batch_generate(target, tiny.tokenizer(), prompts, make, max_tokens=24)
+    assert got.tokens == [reference(target, p, 24) for p in prompts]
+    assert sum(s.accepted for s in got.stats) > 0
+
+
+def test_a_draft_model_that_has_not_read_the_prompt_waits_while_lookup_has_a_draft():
+    """Reading a long prompt into the draft model is worth it over a step lookup can take only
+    when the better drafts repay the read in the tokens left."""
+    policy, drafter = policy_with(0.5, 0.99), Lookup([1, 2, 3], [9, 8, 7, 6])
+    row = serve(policy, drafter)
+    assert policy.choose()[0] > 0 and policy.source == PAID  # read: the better source drafts
+    policy.observe(0, 0, None)
+    drafter.read, drafter.backlog, drafter.pays = False, 300, True  # a long answer to come
+    assert policy.choose()[0] > 0 and policy.source == PAID
+    policy.observe(0, 0, None)
+    drafter.pays = False  # a short one
+    assert policy.choose()[0] > 0 and policy.source == FREE
+    del row
