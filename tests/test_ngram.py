@@ -32,9 +32,10 @@ def test_no_match_proposes_nothing():
     assert proposal([1, 2, 3, 4], 4, min_n=2) == []  # (4, 4) never occurred
 
 
-def test_continuation_runs_into_y():
-    # [5, 6] occurred ending right before y's position: the continuation is y itself.
-    assert proposal([1, 5, 6, 5], 6, k=3, min_n=2, max_n=2) == [5, 6]
+def test_continuation_runs_into_y_and_then_into_itself():
+    # [5, 6] occurred ending right before y's position: the continuation is y itself, then
+    # what it has proposed so far (the text repeats with that period).
+    assert proposal([1, 5, 6, 5], 6, k=3, min_n=2, max_n=2) == [5, 6, 5]
 
 
 def test_k_limits_the_proposal():
@@ -79,3 +80,16 @@ def test_index_is_incremental_and_bounded_per_token():
 def test_bad_n_is_refused(kw):
     with pytest.raises(ValueError):
         NGramDrafter(**kw)
+
+
+def test_lookup_measures_its_match_and_drafts_a_repeating_run_in_full():
+    d = NGramDrafter()
+    d.prefill([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4, 5], None)
+    draft = d.propose(6, 3, Sampling())
+    assert draft.tokens.tolist() == [7, 1, 2] and d.matched == 6  # 1 2 3 4 5 6 seen before
+    d = NGramDrafter()
+    d.prefill([8, 9, 9, 9], None)
+    assert d.propose(9, 5, Sampling()).tokens.tolist() == [9] * 5  # not [9] alone
+    d = NGramDrafter()
+    d.prefill([5, 1, 2, 3, 1, 2], None)  # ... 1 2 3 1 2 | 3: the line repeats
+    assert d.propose(3, 7, Sampling()).tokens.tolist() == [1, 2, 3, 1, 2, 3, 1]

@@ -34,6 +34,7 @@ class NGramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.matched = 0  # the last lookup's first match: tokens it shares with the context
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
@@ -50,9 +51,12 @@ class NGramIndex:
         suffixes of `context + [y]` seen in these tokens, each up to k tokens.
 
         When `context` is these tokens themselves, a continuation that runs into
-        the end goes on with y (the context continues with y).
+        the end goes on with y and then with itself (the context continues with y,
+        then with the draft): a match `p` tokens back proposes the last `p` tokens
+        repeated, so a run of one token or a repeating line drafts k tokens, not one.
         """
         toks, found = self.tokens, []
+        self.matched = 0
         for n in range(self.max_n, self.min_n - 1, -1):
             if n - 1 > len(context):
                 continue
@@ -61,11 +65,26 @@ class NGramIndex:
                 cont = toks[end + 1 : end + 1 + k]
                 if context is toks and len(cont) < k:
                     cont.append(y)
+                    while len(cont) < k:  # toks + [y] + cont, read from end + 1 on
+                        cont.append(cont[len(cont) - (len(toks) - end)])
                 if cont and cont not in found:
+                    if not found:
+                        self.matched = _matched(toks, end, context)
                     found.append(cont)
                 if len(found) == branches:
                     return found
         return found
+
+
+MATCH_CAP = 32  # a match is measured back this far at most
+
+
+def _matched(toks: list[int], end: int, context: list[int]) -> int:
+    """How many tokens the occurrence ending at `end` shares with `context + [y]` (y included)."""
+    n = 1
+    while n < MATCH_CAP and n <= min(end, len(context)) and toks[end - n] == context[-n]:
+        n += 1
+    return n
 
 
 class NGramDrafter(SavesState):
@@ -91,6 +110,7 @@ class NGramDrafter(SavesState):
         self.corpus = corpus
         self._corpus_index: NGramIndex | None = None
         self._index = NGramIndex(min_n, max_n)
+        self.matched = 0  # the last proposal's match length (`NGramIndex.lookup`)
 
     def bind(self, model, tokenizer) -> None:
         self._index = NGramIndex(self.min_n, self.max_n)
@@ -111,9 +131,12 @@ class NGramDrafter(SavesState):
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         context = self._index.tokens
-        found = self._index.lookup(context, y, k, self.branches)
+        index = self._index
+        found = index.lookup(context, y, k, self.branches)
         if not found and self._corpus_index is not None:
-            found = self._corpus_index.lookup(context, y, k, self.branches)
+            index = self._corpus_index
+            found = index.lookup(context, y, k, self.branches)
+        self.matched = index.matched  # the first continuation's match length (0: none)
         if len(found) <= 1:
             return Draft(mx.array(found[0], mx.uint32)) if found else EMPTY
         tokens, parents = tree.trie(found, k)  # several matches: a tree of their continuations
