@@ -322,8 +322,8 @@ def _learned(policy: AdaptiveK) -> dict:
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
     data["timing"] = TIMING_VERSION
-    if getattr(policy, "free", None) is not None:  # `SourceChoice`: the free source's own
-        data["free"], data["free_share"] = _learned(policy.free), policy.free_share
+    if getattr(policy, "frees", None) is not None:  # `SourceChoice`: the free source's own
+        data["frees"], data["free_share"] = [_learned(p) for p in policy.frees], policy.free_share
     return data
 
 
@@ -346,9 +346,11 @@ def _apply_learned(policy: AdaptiveK, data: dict) -> None:
     if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
-    if getattr(policy, "free", None) is not None and "free" in data:
+    frees = getattr(policy, "frees", None)
+    if frees is not None and len(data.get("frees", ())) == len(frees):
         policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
-        _apply_learned(policy.free, data["free"])
+        for p, learned in zip(frees, data["frees"]):
+            _apply_learned(p, learned)
 
 
 def hand_back(drafter) -> None:

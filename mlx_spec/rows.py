@@ -159,7 +159,7 @@ class Row:
         self.block, self.y = len(out), y
         return out
 
-    def drafting_pays(self, gain: float, step: float | None = None, over: float = 1.0) -> bool:
+    def drafting_pays(self, gain: float, step: float | None = None) -> bool:
         """Before its first draft: whether the drafter reading its backlog (the prompt, for a
         draft model: `backlog`) costs less than drafting is expected to save over the tokens
         still to come, at most `max_tokens` of them at the policy's expected `gain` over plain
@@ -167,7 +167,6 @@ class Row:
         grows, the tokens left only shrink), so the row then decodes plainly to the end.
         `step`: this row's share of a plain step's seconds (in a batch of B rows, 1/B of the
         batch's step: drafting saves the row that share); default its own plain step.
-        `over`: the gain the row has without reading (a mixed drafter's free member's).
 
         A policy that has never seen a draft (nothing learned in this process, nothing kept
         from an earlier one) reads the backlog anyway: its acceptance is then only the cautious
@@ -192,7 +191,7 @@ class Row:
             share = min(share, seconds / tokens / (costs.verify[0] * (self.lengths.scale or 1.0)))
         left = self.req.max_tokens - len(self.out)
         step = self.lengths.seconds(0) if step is None else step
-        return left * step * (1 / over - 1 / gain) > backlog * costs.draft_per_token * share
+        return left * step * (1 - 1 / gain) > backlog * costs.draft_per_token * share
 
     # ---- the end -----------------------------------------------------------------------
     def settle(self, seen: int | None = None) -> None:

@@ -3,10 +3,13 @@
 A `MixedDrafter` with a free member (prompt lookup: no model, no forward) has two
 sources of drafts: the free member, whose draft costs only the target's verify,
 and the others (a draft model), whose k forwards cost `draft_per_token` each.
-`SourceChoice` keeps one `AdaptiveK` per source (itself for the paid members,
-`free` for the free one). Before each step it looks up the free member's draft
-(a dictionary lookup, no MLX work); when there is one, it compares the two
-policies' best long-run rates and asks only the better source to propose. The
+`SourceChoice` keeps `AdaptiveK` policies per source: itself for the paid
+members, `frees` for the free one, one for each class of match length (a lookup
+whose match shares 8 or more tokens with the context is a copy in progress; one
+that shares 2 is often a coincidence). Before each step it looks up the free
+member's draft (a dictionary lookup, no MLX work); when there is one, it compares
+the paid policy's best long-run rate with that of the free policy for the match's
+class and asks only the better source to propose. The
 member left out is still told what the target kept (a draft model queues it and
 reads it with its next proposal).
 
@@ -21,11 +24,12 @@ draft token is kept with the target's probability of it, which is also the chanc
 that the (exactly distributed) emitted token equals it.
 
 A draft model that has not read the request's prompt yet (it reads it when it first
-drafts) is asked instead of a free draft only when what it saves over the free
-source in the tokens left repays the read (`Row.drafting_pays`): on a short code
-edit the read would cost more than the whole answer gains from it. When the free
-source has nothing, the read is weighed against plain decoding, at the gain the
-paid source adds on the share of steps the free one leaves it (learned too).
+drafts) is not asked while the free source has a draft worth verifying: a free step
+costs about what a plain one does, while the read costs a forward of the draft
+model over the whole prompt, more than a short code edit gains from it. At the
+first step the free source has nothing, the read is weighed against plain decoding
+(`Row.drafting_pays`), at the gain the paid source adds on the share of steps the
+free one leaves it (learned too).
 
 In a batch the rows' lengths are chosen together from the paid source's policy
 (`mlx_spec.batch_policy`), and the drafter merges both sources' drafts into one
@@ -34,28 +38,36 @@ tree, as with a fixed k.
 
 from __future__ import annotations
 
+import bisect
 import weakref
 from dataclasses import dataclass
 
 from .adaptive import EMA, AdaptiveK, CostModel
+from .rows import CATCH_UP_MIN
 
 FREE, PAID = "free", "paid"
+# Classes of a lookup's match (tokens it shares with the context): shorter than 4, 4-7, 8 or
+# more. A long match is a copy in progress and a short one often a coincidence, so each class
+# has its own acceptance estimates.
+MATCHED = (4, 8)
 
 
 @dataclass
 class SourceChoice(AdaptiveK):
-    free: AdaptiveK | None = None  # the free member's own policy (costs: the verify alone)
+    frees: list | None = None  # the free member's policies, one a match class (costs: the verify alone)
+    free: AdaptiveK | None = None  # this step's (its match's class)
     source: str | None = None  # this step's source (None: not chosen alone, e.g. in a batch)
-    guess: tuple[int, list[int]] | None = None  # (where it starts, tokens): a free draft not verified
+    guess: tuple | None = None  # (where it starts, tokens, its policy): a free draft not verified
     row: object = None  # weak reference to the row this policy serves now
     picks: dict = None  # steps each source drafted alone, over the policy's life
     free_share: float = 0.0  # running share of steps the free source drafts
 
     def __post_init__(self):
         super().__post_init__()
-        if self.free is None:
-            self.free = AdaptiveK(CostModel(self.costs.verify, 0.0), self.k_max, replays=self.replays,
-                                  timed=self.timed)
+        if self.frees is None:
+            self.frees = [AdaptiveK(CostModel(self.costs.verify, 0.0), self.k_max, replays=self.replays,
+                                    timed=self.timed) for _ in range(len(MATCHED) + 1)]
+        self.free = self.free or self.frees[0]
         self.picks = self.picks or {FREE: 0, PAID: 0}
 
     def serve(self, row) -> None:
@@ -69,13 +81,14 @@ class SourceChoice(AdaptiveK):
         drafter = row.drafter
         context = drafter.context()
         self._score(context, row.y)
-        ahead = drafter.peek(row.y, self.free.k_max)
+        ahead, matched = drafter.peek(row.y, self.k_max)
+        self.free = self.frees[bisect.bisect_right(MATCHED, matched)]
         k, gain = super().choose()
         if ahead:
             k_free, gain_free = self.free.choose()
-            if k_free and (gain_free >= gain or not drafter.read and not row.drafting_pays(gain, over=gain_free)):
+            if k_free and (gain_free >= gain or not drafter.read and drafter.backlog >= CATCH_UP_MIN):
                 return self._pick(drafter, FREE, k_free, gain_free)
-            self.guess = (len(context) + 1, ahead)  # scored against the target's tokens next step
+            self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens
         if gain > 1.0:  # what paying saves, on the share of steps the free source leaves it
             gain = 1.0 / (1.0 - (1.0 - self.free_share) * (1.0 - 1.0 / gain))
         return self._pick(drafter, PAID, k, gain)
@@ -91,11 +104,11 @@ class SourceChoice(AdaptiveK):
         then at `start`; the target's tokens since are the committed ones after it, then `y`."""
         if self.guess is None:
             return
-        (start, tokens), self.guess = self.guess, None
+        (start, tokens, policy), self.guess = self.guess, None
         known = list(context[start:]) + [y]
         seen = min(len(tokens), len(known))
         kept = next((i for i in range(seen) if tokens[i] != known[i]), seen)
-        self.free.observe(seen, kept)  # all `seen` kept: the rest is unknown, not rejected
+        policy.observe(seen, kept)  # all `seen` kept: the rest is unknown, not rejected
 
     def offered(self, asked: int, proposed: int) -> None:
         if self.source == FREE:
@@ -115,5 +128,6 @@ class SourceChoice(AdaptiveK):
             super().observe(proposed, accepted, seconds, plain_by_choice)
 
     def parked_next(self) -> bool:
-        """Plain next only if neither source would draft (the free one, should it match)."""
-        return super().parked_next() and max(range(self.k_max + 1), key=self.free.rates().__getitem__) == 0
+        """Plain next only if neither source would draft (the free one, whatever its match)."""
+        return super().parked_next() and all(
+            max(range(self.k_max + 1), key=p.rates().__getitem__) == 0 for p in self.frees)

@@ -63,16 +63,18 @@ class MixedDrafter:
         """The first member that drafts without a model or the target's features (prompt
         lookup), when another one does: the source `mlx_spec.sources` weighs against the rest."""
         free = [d for d in self.drafters if getattr(d, "model", None) is None and not d.taps
-                and hasattr(d, "context")]
+                and hasattr(d, "context") and hasattr(d, "matched")]
         return free[0] if free and len(free) < len(self.drafters) else None
 
-    def peek(self, y: int, k: int) -> list[int]:
-        """The free member's draft for input `y` (its first branch), as host tokens."""
-        draft = self.free_member.propose(y, k, None)
+    def peek(self, y: int, k: int) -> tuple[list[int], int]:
+        """The free member's draft for input `y` (its first branch) as host tokens, and how
+        many tokens its match shares with the context (`NGramDrafter.matched`)."""
+        free = self.free_member
+        draft = free.propose(y, k, None)
         if not draft.size:
-            return []
+            return [], 0
         tokens = draft.tokens.tolist()
-        return tokens if draft.parents is None else _paths(tokens, draft.parents)[0]
+        return tokens if draft.parents is None else _paths(tokens, draft.parents)[0], free.matched
 
     def context(self) -> list[int]:
         """The committed tokens, as the free member holds them."""
