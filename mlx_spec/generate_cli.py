@@ -18,6 +18,7 @@ from .cli import report
 from .load_errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+WITH_DRAFT_MODEL = (None, "ngram+model", "model")  # --draft values that go with --draft-model
 DEFAULT_PROMPT = "hello"  # as mlx_lm.generate
 DEFAULT_MAX_TOKENS = 100  # as mlx_lm.generate
 
@@ -41,8 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"model folder, Hugging Face repo or zoo name (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None,
-                   help="drafter: ngram (default), none, mtp, dspark, ngram+model (with --draft-model: "
-                   "both, merged into a tree), or a converted head folder")
+                   help="drafter: ngram (default), none, mtp, dspark, a converted head folder; with "
+                   "--draft-model: ngram+model (prompt lookup and the draft model; the default with "
+                   "--num-draft-tokens auto) or model (the draft model alone)")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
@@ -103,9 +105,9 @@ def _bool(value: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.draft not in (None, "ngram+model") and args.draft_model is not None:
-        print("error: --draft and --draft-model are alternatives (or --draft ngram+model with "
-              "--draft-model for both); give one", file=sys.stderr)
+    if args.draft not in WITH_DRAFT_MODEL and args.draft_model is not None:
+        print(f"error: --draft {args.draft} and --draft-model are alternatives (--draft ngram+model or "
+              "--draft model go with --draft-model); give one", file=sys.stderr)
         return 2
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate
     prompt = sys.stdin.read() if prompt == "-" else prompt
@@ -135,18 +137,22 @@ def _local_folder(model_path: str) -> str:
     return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
 
 
-def make_drafter(args, model, model_path: str):
+def make_drafter(args, model, model_path: str, mixed_by_default: bool = False):
+    """The drafter the arguments name. `mixed_by_default`: a draft model given without --draft
+    comes with prompt lookup when the draft length is auto (one request at a time, `auto` drafts
+    each step from whichever pays more: measured ahead of the draft model alone, docs/benchmarks.md)."""
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
-        if args.draft == "ngram+model":  # both, merged into one draft tree per step
+        auto = getattr(args, "num_draft_tokens", "auto") == "auto"
+        if args.draft == "ngram+model" or args.draft is None and mixed_by_default and auto:
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter
-    if args.draft == "ngram+model":
-        raise ValueError("--draft ngram+model needs --draft-model PATH (the model half)")
+    if args.draft in ("ngram+model", "model"):
+        raise ValueError(f"--draft {args.draft} needs --draft-model PATH (the model)")
     kind = args.draft or "ngram"
     tree_budget = getattr(args, "tree_budget", None)  # block drafters (head folders, dspark)
     if tree_budget is not None and kind in ("none", "ngram"):
@@ -190,7 +196,7 @@ def _generate(args, prompt: str) -> int:
         model, tokenizer = mlx_spec.load(model_path)
     for token in args.extra_eos_token:
         add_eos_token(tokenizer, token)
-    drafter = make_drafter(args, model, model_path)
+    drafter = make_drafter(args, model, model_path, mixed_by_default=True)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     if args.recalibrate:
         mlx_spec.calibrate(model)

@@ -140,6 +140,18 @@ def test_compare_prints_the_measured_speed_up_and_trees_and_mixed_drafters_run(f
     assert rc == 0 and "MixedDrafter" in out
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "ngram+model")
     assert rc == 2 and "needs --draft-model" in err
+
+
+@pytest.mark.parametrize("flags, drafter", [
+    (("--num-draft-tokens", "auto"), "MixedDrafter"),  # auto: prompt lookup too, one source a step
+    (("--draft", "model", "--num-draft-tokens", "auto"), "DraftModelDrafter"),  # the draft model alone
+    (("--num-draft-tokens", "3"), "DraftModelDrafter"),  # a fixed k would merge both: not by default
+])
+def test_a_draft_model_comes_with_prompt_lookup_under_auto(folder, capsys, flags, drafter):
+    rc, out, err = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--draft-model", str(folder), *flags)
+    assert rc == 0 and drafter in out, err
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "model")
+    assert rc == 2 and "--draft model needs --draft-model" in err
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "none", "--branches", "2")
     assert rc == 2 and "--branches drafts trees with the n-gram" in err
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--branches", "7")

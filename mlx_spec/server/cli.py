@@ -18,7 +18,7 @@ import argparse
 import importlib.util
 import sys
 
-from ..generate_cli import DEFAULT_MODEL, _k, add_cache_arguments, add_dist_timeout
+from ..generate_cli import DEFAULT_MODEL, WITH_DRAFT_MODEL, _k, add_cache_arguments, add_dist_timeout
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -28,7 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model folder, Hugging Face repo or zoo name (default: {DEFAULT_MODEL}); "
                    "requests name it by this string")
     p.add_argument("--draft", default=None,
-                   help="drafter: ngram (default), none, mtp, dspark, or a converted head folder")
+                   help="drafter: ngram (default), none, mtp, dspark, or a converted head folder; with "
+                   "--draft-model: model (the draft model alone, the default) or ngram+model")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
@@ -80,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in LOOPBACK and not args.api_key:
         print(f"warning: listening on {args.host} without --api-key: anyone who can reach this "
               "machine can use the model; give --api-key KEY (or bind 127.0.0.1)", file=sys.stderr)
-    if args.draft not in (None, "ngram+model") and args.draft_model is not None:
-        print("error: --draft and --draft-model are alternatives (or --draft ngram+model with "
-              "--draft-model for both); give one", file=sys.stderr)
+    if args.draft not in WITH_DRAFT_MODEL and args.draft_model is not None:
+        print(f"error: --draft {args.draft} and --draft-model are alternatives (--draft ngram+model or "
+              "--draft model go with --draft-model); give one", file=sys.stderr)
         return 2
     if args.max_queue < 0:
         print("error: --max-queue must be 0 or more", file=sys.stderr)
