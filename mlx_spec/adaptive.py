@@ -271,7 +271,10 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
         learned = _POLICIES.get(origin, {}).get(key) if origin is not None else None
         policy = copy.deepcopy(learned) if learned is not None and not recalibrate else fresh()
         if learned is None and not recalibrate:
-            _load_learned(policy, policy_file(model, drafter, sampling))  # an earlier process's
+            if not _load_learned(policy, policy_file(model, drafter, sampling)):  # an earlier process's
+                paid = getattr(drafter, "paid_member", None)  # (a mixed drafter: its draft model's)
+                if getattr(policy, "frees", None) is not None and paid is not None:
+                    _load_learned(policy, policy_file(model, paid, sampling), sources=False)
         known[key] = policy
     return known[key]
 
@@ -327,14 +330,20 @@ def _learned(policy: AdaptiveK) -> dict:
     return data
 
 
-def _load_learned(policy: AdaptiveK, path: Path) -> None:
+def _load_learned(policy: AdaptiveK, path: Path, sources: bool = True) -> bool:
+    """Start `policy` from what was kept at `path`; False when nothing usable was there.
+    `sources`: a `SourceChoice` takes only a file written by one (else its own part alone)."""
     try:
-        _apply_learned(policy, json.loads(path.read_text()))
+        _apply_learned(policy, json.loads(path.read_text()), sources)
+        return True
     except (OSError, ValueError, KeyError, TypeError):
-        pass
+        return False
 
 
-def _apply_learned(policy: AdaptiveK, data: dict) -> None:
+def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
+    frees = getattr(policy, "frees", None) if sources else None
+    if frees is not None and len(data["frees"]) != len(frees):  # (older: both members merged)
+        raise ValueError("not a source choice's")
     accept, seen = data["accept"], data["seen"]
     if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
         return  # another draft limit: start cold
@@ -346,8 +355,7 @@ def _apply_learned(policy: AdaptiveK, data: dict) -> None:
     if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
-    frees = getattr(policy, "frees", None)
-    if frees is not None and len(data.get("frees", ())) == len(frees):
+    if frees is not None:
         policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
         for p, learned in zip(frees, data["frees"]):
             _apply_learned(p, learned)

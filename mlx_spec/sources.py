@@ -29,7 +29,9 @@ costs about what a plain one does, while the read costs a forward of the draft
 model over the whole prompt, more than a short code edit gains from it. At the
 first step the free source has nothing, the read is weighed against plain decoding
 (`Row.drafting_pays`), at the gain the paid source adds on the share of steps the
-free one leaves it (learned too).
+free one leaves it: this request's share so far, starting from the running share
+over earlier ones. A code edit that lookup has been copying does not pay for the
+read at its first miss; it goes on with lookup alone.
 
 In a batch the rows' lengths are chosen together from the paid source's policy
 (`mlx_spec.batch_policy`), and the drafter merges both sources' drafts into one
@@ -50,6 +52,7 @@ FREE, PAID = "free", "paid"
 # more. A long match is a copy in progress and a short one often a coincidence, so each class
 # has its own acceptance estimates.
 MATCHED = (4, 8)
+SHARE_WEIGHT = 4  # steps the running share of free steps counts as in a new request's
 
 
 @dataclass
@@ -61,6 +64,7 @@ class SourceChoice(AdaptiveK):
     row: object = None  # weak reference to the row this policy serves now
     picks: dict = None  # steps each source drafted alone, over the policy's life
     free_share: float = 0.0  # running share of steps the free source drafts
+    here: tuple[int, int] = (0, 0)  # this request's steps the free source drafted, and all its steps
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,7 +76,7 @@ class SourceChoice(AdaptiveK):
 
     def serve(self, row) -> None:
         """From now on this policy chooses for `row` (a new request: nothing pending)."""
-        self.row, self.guess, self.source = weakref.ref(row), None, None
+        self.row, self.guess, self.source, self.here = weakref.ref(row), None, None, (0, 0)
 
     def choose(self) -> tuple[int, float]:
         row = self.row() if self.row is not None else None
@@ -90,13 +94,16 @@ class SourceChoice(AdaptiveK):
                 return self._pick(drafter, FREE, k_free, gain_free)
             self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens
         if gain > 1.0:  # what paying saves, on the share of steps the free source leaves it
-            gain = 1.0 / (1.0 - (1.0 - self.free_share) * (1.0 - 1.0 / gain))
+            free, steps = self.here  # this request's share, from the running one (worth 4 steps)
+            share = (free + SHARE_WEIGHT * self.free_share) / (steps + SHARE_WEIGHT)
+            gain = 1.0 / (1.0 - (1.0 - share) * (1.0 - 1.0 / gain))
         return self._pick(drafter, PAID, k, gain)
 
     def _pick(self, drafter, source: str, k: int, gain: float) -> tuple[int, float]:
         self.source = drafter.only = source
         self.picks[source] += k > 0
         self.free_share += EMA * ((source == FREE) - self.free_share)
+        self.here = (self.here[0] + (source == FREE), self.here[1] + 1)
         return k, gain
 
     def _score(self, context: list[int], y: int) -> None:

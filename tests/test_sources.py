@@ -186,3 +186,41 @@ def test_a_draft_model_that_has_not_read_the_prompt_waits_while_lookup_has_a_dra
     assert policy.choose()[0] > 0 and policy.source == PAID
     del row
 
+
+
+def test_a_mixed_drafter_without_a_file_of_its_own_starts_from_its_draft_models(costs):
+    """What the draft model learned drafting alone is what the paid source does; a file written
+    when the members' drafts were merged (no per-source tables) is not taken."""
+    target, draft = costs
+    alone = mlx_spec.DraftModelDrafter(draft)
+    learned = adaptive.policy_for(target, alone, 16)
+    learned.accept = [[0.93] * 16 for _ in range(2)]
+    learned.seen = [[9] * 16 for _ in range(2)]
+    save_learned(learned, adaptive.policy_file(target, alone, None))
+    mixed = mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(), mlx_spec.DraftModelDrafter(draft))
+    merged = adaptive.policy_file(target, mixed, None)
+    merged.write_text('{"accept": [[0.5, 0.5], [0.5, 0.5]], "seen": [[1, 1], [1, 1]]}')
+    policy = adaptive.policy_for(target, mixed, 16)
+    assert isinstance(policy, SourceChoice)
+    assert policy.accept[0][0] == pytest.approx(0.93) and policy.frees[0].accept[0][0] == pytest.approx(0.4)
+
+
+def test_the_read_is_weighed_at_the_gain_left_by_this_requests_free_steps():
+    """After lookup drafted most of this request, the draft model's expected gain (what the
+    row weighs the prompt read against) shrinks to what it adds on the steps left to it,
+    whatever earlier requests showed."""
+    policy, drafter = policy_with(0.9, 0.95), Lookup([1, 2, 3], [9, 8, 7, 6])
+    row = serve(policy, drafter)
+    drafter.ahead = []
+    fresh = policy.choose()[1]
+    policy.observe(0, 0, None)
+    drafter.ahead = [9, 8, 7, 6]
+    for _ in range(6):
+        policy.choose()
+        assert policy.source == FREE
+        policy.observe(0, 0, None)
+    drafter.ahead = []
+    policy.free_share = 0.0  # as if earlier requests had left lookup nothing: this one counts
+    after = policy.choose()[1]
+    assert policy.source == PAID and 1.0 < after < 1.0 + 0.5 * (fresh - 1.0), (fresh, after)
+    del row

@@ -66,6 +66,13 @@ class MixedDrafter:
                 and hasattr(d, "context") and hasattr(d, "matched")]
         return free[0] if free and len(free) < len(self.drafters) else None
 
+    @property
+    def paid_member(self):
+        """The one member besides the free one (a draft model), if there is exactly one."""
+        free = self.free_member
+        rest = [d for d in self.drafters if d is not free]
+        return rest[0] if free is not None and len(rest) == 1 else None
+
     def peek(self, y: int, k: int) -> tuple[list[int], int]:
         """The free member's draft for input `y` (its first branch) as host tokens, and how
         many tokens its match shares with the context (`NGramDrafter.matched`)."""
