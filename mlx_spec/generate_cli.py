@@ -140,7 +140,8 @@ def _local_folder(model_path: str) -> str:
 def make_drafter(args, model, model_path: str, mixed_by_default: bool = False):
     """The drafter the arguments name. `mixed_by_default`: a draft model given without --draft
     comes with prompt lookup when the draft length is auto (one request at a time, `auto` drafts
-    each step from whichever pays more: measured ahead of the draft model alone, docs/benchmarks.md)."""
+    each step from whichever it expects to pay more: far ahead of the draft model alone on code
+    edits, level overall, behind on some suites; docs/benchmarks.md)."""
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)

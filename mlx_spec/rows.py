@@ -180,8 +180,9 @@ class Row:
         row's own prefill (timed policies), else the calibrated 17-token forward's share, an
         upper bound."""
         backlog, costs = getattr(self.drafter, "backlog", 0), self.lengths.costs
-        drafted = getattr(self.drafter, "read", None)  # a mixed drafter: its paid members did
-        if ((self.stats.drafted if drafted is None else drafted) or backlog < CATCH_UP_MIN or not costs.draft_per_token
+        read = getattr(self.drafter, "read", None)  # a mixed drafter: whether its paid members drafted
+        drafted = self.stats.drafted if read is None else read
+        if (drafted or backlog < CATCH_UP_MIN or not costs.draft_per_token
                 or self.req.max_tokens is None  # no limit: any lasting gain repays it
                 or self.lengths.timed and not any(map(any, self.lengths.seen))):  # cold: learn
             return True

@@ -63,7 +63,7 @@ class MixedDrafter:
         """The first member that drafts without a model or the target's features (prompt
         lookup), when another one does: the source `mlx_spec.sources` weighs against the rest."""
         free = [d for d in self.drafters if getattr(d, "model", None) is None and not d.taps
-                and hasattr(d, "context") and hasattr(d, "matched")]
+                and hasattr(d, "context") and hasattr(d, "lookup")]
         return free[0] if free and len(free) < len(self.drafters) else None
 
     @property
@@ -77,11 +77,8 @@ class MixedDrafter:
         """The free member's draft for input `y` (its first branch) as host tokens, and how
         many tokens its match shares with the context (`NGramDrafter.matched`)."""
         free = self.free_member
-        draft = free.propose(y, k, None)
-        if not draft.size:
-            return [], 0
-        tokens = draft.tokens.tolist()
-        return tokens if draft.parents is None else _paths(tokens, draft.parents)[0], free.matched
+        found = free.lookup(y, k, branches=1)  # host lists: no MLX array made and read back
+        return (found[0], free.matched) if found else ([], 0)
 
     def context(self) -> list[int]:
         """The committed tokens, as the free member holds them."""

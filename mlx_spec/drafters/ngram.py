@@ -129,14 +129,19 @@ class NGramDrafter(SavesState):
     def prefill(self, tokens: Sequence[int], taps) -> None:
         self._index.extend(tokens)
 
-    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
-        context = self._index.tokens
-        index = self._index
-        found = index.lookup(context, y, k, self.branches)
+    def lookup(self, y: int, k: int, branches: int | None = None) -> list[list[int]]:
+        """The continuations `propose` drafts from, as host tokens (`matched` set too)."""
+        context, index = self._index.tokens, self._index
+        branches = self.branches if branches is None else branches
+        found = index.lookup(context, y, k, branches)
         if not found and self._corpus_index is not None:
             index = self._corpus_index
-            found = index.lookup(context, y, k, self.branches)
+            found = index.lookup(context, y, k, branches)
         self.matched = index.matched  # the first continuation's match length (0: none)
+        return found
+
+    def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        found = self.lookup(y, k)
         if len(found) <= 1:
             return Draft(mx.array(found[0], mx.uint32)) if found else EMPTY
         tokens, parents = tree.trie(found, k)  # several matches: a tree of their continuations
