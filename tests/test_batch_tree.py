@@ -108,7 +108,7 @@ def test_sampled_rows_verifying_trees_together_keep_the_targets_law(monkeypatch,
              ([4, 5, 4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
     joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]
     runs = batched_runs(model, cases, 400)
-    assert sum(n >= 2 for n in batched_tree_forwards) >= 400  # two trees in one forward, often
+    assert sum(n for n in batched_tree_forwards if n >= 2) >= 800  # trees verified together, often
     for r, joint in zip(runs, joints):
         L.assert_lossless(r, joint)
     monkeypatch.setattr(tree, "walk", wrong_walk)
