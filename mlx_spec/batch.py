@@ -245,7 +245,7 @@ class BatchDecoder:
             raise
         seconds = time.perf_counter() - t0 - (one_time_seconds() - once)  # (a calibration, a backlog read)
         learn = seconds if timed else None  # what the policies learn from (`batch_plain.step`)
-        if learn is not None and len(rows) > 1 and all(r.req.seed is None for r in rows):  # seeded: no timings
+        if learn is not None and len(rows) > 1 and not any(r.req.repeatable for r in rows):  # seeded: no timings
             from .batch_policy import observe_batch
 
             observe_batch(self.model, [r.lengths for r in rows], [d.size for d in drafts], seconds)

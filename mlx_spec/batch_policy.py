@@ -274,7 +274,7 @@ def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, dra
     seconds = batch_seconds(model, auto.costs.verify, len(policies), width)
     if drafting:
         seconds += _drafting_seconds(policies, ks)
-    # Seeded rows choose from the calibration and the tokens alone (a seeded run repeats).
+    # Seeded sampled rows choose from the calibration and the tokens alone (a seeded run repeats).
     timed = costs is not None and all(p.timed for p in policies if isinstance(p, AdaptiveK))
     return seconds * (costs.correction(len(policies), width) if timed else 1.0)
 
@@ -332,7 +332,7 @@ def draft_lengths(model, row: Row, recurrent: bool):
     k_max = min(drafter.max_draft, MAX_DRAFT)
     if req.num_draft_tokens == "auto":
         policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
-                            seeded=req.seed is not None)
+                            seeded=req.repeatable)
         policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
         if hasattr(policy, "serve"):  # `SourceChoice`: it looks up this row's free draft
             policy.serve(row)
@@ -379,4 +379,4 @@ def _without_backlog(model, row: Row):
     log.info("%s; it drafts with %s alone", what, type(rest).__name__)
     row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)
     return policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,
-                      sampling=row.req.sampling, seeded=row.req.seed is not None)
+                      sampling=row.req.sampling, seeded=row.req.repeatable)

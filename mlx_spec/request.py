@@ -40,6 +40,14 @@ class Request:
     quantized_kv_start: int = QUANTIZED_KV_START
     trace: bool = False
 
+    @property
+    def repeatable(self) -> bool:
+        """A seeded sampled request: its draft lengths may depend on the tokens and the
+        calibration only, never on timings or on what earlier requests taught the policy,
+        because they decide which random draws the text is made of. Greedy text is the
+        target's own whatever the draft lengths, so a seed changes nothing there."""
+        return self.seed is not None and not self.sampling.greedy
+
     def quantize_cache(self, cache: list) -> None:
         """mlx-lm's KV quantization: KVCache layers past `quantized_kv_start` become quantized."""
         if self.kv_bits is not None:

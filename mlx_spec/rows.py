@@ -172,8 +172,8 @@ class Row:
         from an earlier one) reads the backlog anyway: its acceptance is then only the cautious
         prior, at which a draft model that pays well in practice can look as if it never
         could, and without one draft nothing would ever be learned. That read is paid once per
-        model, drafter kind and sampling mode (what is learned is kept); seeded rows, whose
-        policies learn nothing between requests, are weighed as any other.
+        model, drafter kind and sampling mode (what is learned is kept); seeded sampled rows,
+        whose policies learn nothing between requests, are weighed as any other.
 
         Reading costs the draft model's one-token forward (`draft_per_token`) times what a
         prompt token costs the target relative to its one-token forward: measured on this

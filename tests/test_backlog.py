@@ -24,7 +24,7 @@ DRAFT_TOKEN = 0.1  # a draft model's one-token forward, in the same units
 
 
 @pytest.fixture
-def pair(monkeypatch):
+def pair(monkeypatch, untimed_seeded_rows):
     """A target and a draft model whose costs are fixed curves: drafting pays a little per
     token (the prior's expected gain about 1.2), the prompt read costs 200 * 0.1 * 1.8/17."""
     target, draft = tiny.llama_model(seed=4), tiny.llama_model(seed=4, layers=1)

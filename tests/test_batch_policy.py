@@ -27,7 +27,7 @@ def cost(w: int) -> float:
 
 
 @pytest.fixture
-def synthetic_costs(monkeypatch):
+def synthetic_costs(monkeypatch, untimed_seeded_rows):
     monkeypatch.setattr(adaptive, "verify_seconds",
                         lambda model, n_max=adaptive.N_MAX, recalibrate=False: [cost(n) for n in range(1, n_max + 1)])
     monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [cost(w) for w in batch_policy.WIDE])
