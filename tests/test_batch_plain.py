@@ -58,6 +58,7 @@ def test_sampled_plain_rows_of_a_pipelined_batch_have_the_targets_law(monkeypatc
     L.assert_caught(batched_runs(model, cases, 600)[0], joints[0])
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # seeded: choices from costs and tokens only
 def test_a_parked_single_row_pipelines_its_plain_steps_and_still_probes(monkeypatch):
     """One request whose drafter never hits: once `auto` parks drafting, its plain steps are
     queued ahead like drafter-less ones (a step in flight between calls), the policy's probes
@@ -84,7 +85,7 @@ def test_a_parked_single_row_pipelines_its_plain_steps_and_still_probes(monkeypa
     monkeypatch.setattr(verify, "verify", lambda *a: verifies.append(1) or real_verify(*a))
     monkeypatch.setattr(batch_plain, "land", lambda f, rows: landed.append(f is not None) or real_land(f, rows))
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=1)
-    # seeded: a fresh policy choosing from tokens alone (no timings, nothing learned before)
+    # seeded (see the fixture): a fresh policy choosing from tokens alone (no timings, nothing learned before)
     uid = decoder.add(PROMPTS[2], Wrong(), max_tokens=60, num_draft_tokens="auto", seed=0)
     out, in_flight, probes_after = [], 0, 0
     while decoder.busy:

@@ -186,6 +186,7 @@ def test_recurrent_targets_are_told_apart_from_plain_kv_ones():
     assert not block_tree.tree_verifiable(tiny.qwen3_5_model())  # recurrent layers: chains
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # seeded: choices from costs and tokens only
 def test_auto_draft_length_with_a_tree_budget_stays_lossless(tmp_path, monkeypatch):
     """`auto` picks the depth (and per step the whole tree or its first branch) while the
     budget fixes the nodes: the same greedy output, and both shapes verified."""

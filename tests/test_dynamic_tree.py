@@ -201,6 +201,7 @@ def test_the_draft_cache_after_commit_is_a_fresh_forward_over_the_accepted_token
             assert paths_of(again) == paths_of(d2.propose(7, 3, Sampling()))
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # seeded: choices from costs and tokens only
 @pytest.mark.parametrize("budget, width, k", [(8, 4, 8), (6, 2, 8), (5, 1, 8), (1, 4, 4), (16, 8, 16), (12, 3, "auto")])
 def test_greedy_through_dynamic_trees_is_plain_decoding(budget, width, k):
     target = tiny.llama_model(seed=2)

@@ -48,6 +48,7 @@ def test_head_trees_are_the_brute_force_over_the_heads_chain(tmp_path, kind):
     assert [r.token for r in out] == want and checked[0] == 3
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # seeded: choices from costs and tokens only
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 @pytest.mark.parametrize("k", [4, "auto"])
 def test_greedy_through_head_trees_is_plain_decoding_and_the_cache_is_the_context(tmp_path, kind, k):
