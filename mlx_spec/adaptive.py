@@ -187,6 +187,18 @@ class AdaptiveK:
                 k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
+    def hopeful_gain(self) -> float:
+        """The best expected gain over plain decoding if what is still uncertain goes well:
+        each acceptance seen raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept
+        (positions never reached inherit, as in `estimates`). For a choice that cannot be revisited and that
+        decides whether anything more is learned (a draft model's prompt read): weighed at
+        the plain estimates, a policy that once learned low acceptance would never draft
+        again, so never learn otherwise, on this request or, its tables kept, on any later one."""
+        hopeful = copy.copy(self)
+        hopeful.accept = [[a + (1.0 - a) * PRIOR_WEIGHT / (n + PRIOR_WEIGHT) if n else a
+                           for a, n in zip(row, seen)] for row, seen in zip(self.accept, self.seen)]
+        return max(hopeful.rates()) * self.seconds(0)
+
     def offered(self, asked: int, proposed: int) -> None:
         """The drafter, asked for `asked` tokens, proposed `proposed` (before any trimming)."""
         if asked > 0:

@@ -172,8 +172,12 @@ class Row:
         from an earlier one) reads the backlog anyway: its acceptance is then only the cautious
         prior, at which a draft model that pays well in practice can look as if it never
         could, and without one draft nothing would ever be learned. That read is paid once per
-        model, drafter kind and sampling mode (what is learned is kept); seeded sampled rows,
-        whose policies learn nothing between requests, are weighed as any other.
+        model, drafter kind and sampling mode (what is learned is kept). A policy that has
+        learned weighs the read at its hopeful gain (`AdaptiveK.hopeful_gain`: acceptance
+        raised by how little of it was seen), not its expected one: after a few requests that
+        drafted badly it parks, and weighed at those estimates its probes would never read a
+        prompt again, so it would never see that the next workload drafts well. Seeded sampled
+        rows, whose policies learn nothing between requests, are weighed at the expected gain.
 
         Reading costs the draft model's one-token forward (`draft_per_token`) times what a
         prompt token costs the target relative to its one-token forward: measured on this
@@ -186,6 +190,8 @@ class Row:
                 or self.req.max_tokens is None  # no limit: any lasting gain repays it
                 or self.lengths.timed and not any(map(any, self.lengths.seen))):  # cold: learn
             return True
+        if self.lengths.timed:  # what a read teaches is kept: weigh it at what it could show
+            gain = max(gain, self.lengths.hopeful_gain())
         share = costs.verify[-1] / len(costs.verify) / costs.verify[0]  # a prompt token / a step
         tokens, seconds = self.prefill_time
         if self.lengths.timed and tokens >= CATCH_UP_MIN:

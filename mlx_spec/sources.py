@@ -93,11 +93,18 @@ class SourceChoice(AdaptiveK):
             if k_free and (gain_free >= gain or not drafter.read and drafter.backlog >= CATCH_UP_MIN):
                 return self._pick(drafter, FREE, k_free, gain_free)
             self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens
-        if gain > 1.0:  # what paying saves, on the share of steps the free source leaves it
-            free, steps = self.here  # this request's share, from the running one (worth 4 steps)
-            share = (free + SHARE_WEIGHT * self.free_share) / (steps + SHARE_WEIGHT)
-            gain = 1.0 / (1.0 - (1.0 - share) * (1.0 - 1.0 / gain))
-        return self._pick(drafter, PAID, k, gain)
+        return self._pick(drafter, PAID, k, self._left(gain))
+
+    def _left(self, gain: float) -> float:
+        """What paying saves, on the share of steps the free source leaves it."""
+        if gain <= 1.0:
+            return gain
+        free, steps = self.here  # this request's share, from the running one (worth 4 steps)
+        share = (free + SHARE_WEIGHT * self.free_share) / (steps + SHARE_WEIGHT)
+        return 1.0 / (1.0 - (1.0 - share) * (1.0 - 1.0 / gain))
+
+    def hopeful_gain(self) -> float:
+        return self._left(super().hopeful_gain())
 
     def _pick(self, drafter, source: str, k: int, gain: float) -> tuple[int, float]:
         self.source = drafter.only = source

@@ -11,7 +11,7 @@ import pytest
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, batch_policy, calibration
-from mlx_spec.adaptive import AdaptiveK, CostModel
+from mlx_spec.adaptive import AdaptiveK, CostModel, policy_file, policy_for, save_learned
 from mlx_spec.calibration import model_key
 from mlx_spec.rows import Row
 from mlx_spec.taps import SeeThrough, decoder_stack
@@ -132,6 +132,47 @@ def test_a_policy_that_never_saw_a_draft_reads_the_prompt_to_learn(pair, monkeyp
         assert not Row.drafting_pays(row, 0.9)  # it has seen a draft: weighed again
 
 
+def test_a_policy_that_learned_to_park_still_reads_a_prompt_that_might_pay():
+    """Requests that drafted badly teach a policy low acceptance, and it parks. Weighed at its
+    probe's expected gain (under 1) no prompt read could ever pay, so the draft model would
+    never run again and nothing would show that a new workload drafts well (the wrong rule).
+    The read is weighed at the hopeful gain; one that cannot pay even then is still refused,
+    and a seeded sampled row's untimed policy (it keeps nothing) weighs the expected gain."""
+    for timed in (True, False):
+        policy = AdaptiveK(CostModel(VERIFY, DRAFT_TOKEN), 4, timed=timed)
+        policy.accept = [[0.1] * 4 for _ in policy.accept]
+        policy.seen = [[4] * 4 for _ in policy.seen]
+        k, gain = policy.choose()
+        assert k == 0 and gain <= 1.0 and policy.hopeful_gain() > 1.15
+
+        def pays(left: int) -> bool:  # the read: 200 * 0.1 * 1.8/17 = 2.1 steps
+            row = SimpleNamespace(drafter=SimpleNamespace(backlog=200), lengths=policy, prefill_time=[0, 0.0],
+                                  stats=SimpleNamespace(drafted=0), req=SimpleNamespace(max_tokens=left), out=[])
+            return Row.drafting_pays(row, gain)
+
+        assert pays(60) is timed  # 60 tokens at 1.15x or more save 7.8 steps or more
+        assert not pays(10)  # 10 save at most 1.7
+
+
+def test_a_kept_policy_that_parks_still_reads_the_prompt_and_drafts(pair, monkeypatch):
+    """A new process whose kept policy learned nothing but rejections: loaded no worse than
+    the cautious prior, at which this draft model (0.4 of a step a token) does not pay, so
+    it parks; its first probe still reads the prompt, and the draft model runs."""
+    target, draft = pair
+    monkeypatch.setitem(calibration._CURVES, model_key(draft), [0.4])
+    drafter = DraftModelDrafter(draft)
+    gloomy = AdaptiveK(CostModel(VERIFY, 0.4), 16)
+    gloomy.accept = [[0.05] * 16 for _ in gloomy.accept]
+    gloomy.seen = [[50] * 16 for _ in gloomy.seen]
+    save_learned(gloomy, policy_file(target, drafter, mlx_spec.Sampling()))
+    loaded = policy_for(target, DraftModelDrafter(draft), 16, sampling=mlx_spec.Sampling())
+    assert loaded.choose()[0] == 0 and loaded.seen[0][0] > 0  # parks, and is not a cold start
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, drafter, max_tokens=60))
+    stats = out[-1].stats
+    assert [r.token for r in out] == reference(target, PROMPT, 60)
+    assert stats.plain_reason is None and stats.drafted > 0 and drafter.backlog < len(PROMPT)
+
+
 def test_a_mixed_drafter_whose_model_half_does_not_pay_drafts_with_its_ngram_half(pair):
     """n-gram + draft model on a short answer to a long prompt: the draft model's read does not
     pay, so the draft model never runs, and prompt lookup (nothing to read) drafts alone."""
@@ -155,7 +196,8 @@ def test_a_timed_row_weighs_the_read_at_its_own_measured_prefill_speed():
     """The calibrated 17-token forward (1.8/17 of a step a token) is an upper bound on what
     a prompt token costs; a row whose own prefill ran at 1/100 of a step a token uses that."""
     policy = AdaptiveK(CostModel(VERIFY, DRAFT_TOKEN), 4)
-    policy.seen[0][0] = 5  # it has seen drafts (a cold timed policy reads the backlog to learn)
+    policy.seen = [[50] * 4 for _ in policy.seen]  # it has seen many drafts (a cold timed policy
+    # reads the backlog to learn; one that has seen few weighs it at a hopeful gain)
 
     def pays(timed: bool, prefill_time, left: int | None = 10) -> bool:
         policy.timed = timed
