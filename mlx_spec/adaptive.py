@@ -249,6 +249,8 @@ class AdaptiveK:
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
         if proposed or not plain_by_choice:
             self.state = int(proposed > 0 and accepted > 0)
+        if proposed and accepted:  # a kept probe: the text may have turned predictable, so the
+            self.probe_every = PROBE_FIRST  # next comes soon (failed ones space them out)
 
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}

@@ -162,6 +162,32 @@ def test_parked_policy_probes_and_recovers():
     assert probes >= 1 and k > 1
 
 
+def test_a_kept_probe_brings_the_next_one_forward():
+    """Probes of a parked policy come at growing intervals while they fail; one that is kept
+    (the text may have turned predictable) brings the next one back to `PROBE_FIRST` parked
+    steps. Doubling anyway (the wrong rule) leaves a recovering policy parked for long
+    stretches: each kept probe moves its tables only part of the way."""
+    policy = AdaptiveK(linear_costs(0.1, draft=0.3), k_max=8)
+    feed(policy, 40, accept_len=0)
+    policy.parked, policy.probe_every = 0, adaptive.PROBE_FIRST  # as if it had just parked
+
+    def next_probe(kept: bool) -> int:  # parked steps until the next probe, which is observed
+        for n in range(1, adaptive.PROBE_MAX + 2):
+            k, _ = policy.choose()
+            if k:
+                assert k == 1
+                policy.observe(1, int(kept))
+                return n
+            policy.observe(0, 0, plain_by_choice=True)
+        raise AssertionError("no probe")
+
+    failed = [next_probe(False) for _ in range(3)]
+    assert failed[0] < failed[1] < failed[2]
+    assert next_probe(True) > adaptive.PROBE_FIRST
+    assert policy.choose()[0] == 0  # one kept probe leaves it parked ...
+    assert next_probe(True) == adaptive.PROBE_FIRST - 1  # ... and the next probe comes soon
+
+
 def test_expected_gain_is_reported_relative_to_plain_decoding():
     policy = AdaptiveK(linear_costs(0.0), k_max=4)
     feed(policy, 50, accept_len=4)

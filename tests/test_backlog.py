@@ -160,6 +160,9 @@ def test_a_kept_policy_that_parks_still_reads_the_prompt_and_drafts(pair, monkey
     it parks; its first probe still reads the prompt, and the draft model runs."""
     target, draft = pair
     monkeypatch.setitem(calibration._CURVES, model_key(draft), [0.4])
+    observe = AdaptiveK.observe  # the step times of a tiny model would move the fixed curves
+    monkeypatch.setattr(AdaptiveK, "observe", lambda self, proposed, accepted, seconds=None, plain_by_choice=False:
+                        observe(self, proposed, accepted, None, plain_by_choice))
     drafter = DraftModelDrafter(draft)
     gloomy = AdaptiveK(CostModel(VERIFY, 0.4), 16)
     gloomy.accept = [[0.05] * 16 for _ in gloomy.accept]
