@@ -13,6 +13,12 @@ class and asks only the better source to propose. The
 member left out is still told what the target kept (a draft model queues it and
 reads it with its next proposal).
 
+The paid policy's two tables are kept as a draft model's own are (after a step that kept
+its first draft token, and otherwise), except that a step after one of the free source's
+counts as a fresh start: lookup drafts until the copy ends, where the model's next token
+is hardest, and taught to the table of runs those steps would make the model look poor
+within a run, also on chat and JSON, where it drafts alone.
+
 The free source is scored on the steps it does not win too: its draft, compared
 with the tokens the target went on to emit, shows how much of it would have been
 kept (exactly, up to the tokens emitted; positions beyond them stay unobserved).
@@ -108,6 +114,8 @@ class SourceChoice(AdaptiveK):
 
     def _pick(self, drafter, source: str, k: int, gain: float) -> tuple[int, float]:
         self.source = drafter.only = source
+        if source == FREE:  # the model's next step starts afresh (module docstring)
+            self.state = 0
         self.picks[source] += k > 0
         self.free_share += EMA * ((source == FREE) - self.free_share)
         self.here = (self.here[0] + (source == FREE), self.here[1] + 1)

@@ -86,6 +86,27 @@ def test_a_long_match_and_a_short_one_are_weighed_by_their_own_acceptance():
     del row
 
 
+def test_after_a_free_step_the_model_starts_afresh_not_within_a_run():
+    """The paid policy's second table is for steps after one of its own kept drafts. A step
+    after lookup's is taught to the first: lookup drafts until the copy ends, where the
+    model's next token is hardest. Taught to the table of runs (the wrong rule), those
+    steps made the model look poor within a run everywhere else."""
+    policy, drafter = policy_with(0.95, 0.8), Lookup([1, 2, 3], [4, 5, 6, 7, 8, 9])
+    row = serve(policy, drafter)
+    policy.state = 1  # the model's last draft was kept
+    k, _ = policy.choose()
+    assert policy.source == FREE
+    policy.observe(k, k, None)  # lookup copied
+    drafter.tokens += [5, 4, 5, 6, 7, 8, 9]
+    drafter.ahead, row.y = [], 1  # the copy ended: nothing to look up
+    before = [row_[:] for row_ in policy.accept]
+    k, _ = policy.choose()
+    assert policy.source == PAID and k > 0
+    policy.observe(k, 0, None)  # the model missed where the copy ended
+    assert policy.accept[1] == before[1] and policy.accept[0][0] < before[0][0]
+    del row
+
+
 def test_a_free_draft_that_lost_is_scored_against_the_tokens_the_target_emitted():
     """Known up to the emitted tokens: kept while it matches, the first mismatch rejected,
     positions beyond the emitted tokens not observed at all."""
