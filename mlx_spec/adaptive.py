@@ -190,10 +190,11 @@ class AdaptiveK:
     def hopeful_gain(self) -> float:
         """The best expected gain over plain decoding if what is still uncertain goes well:
         each acceptance seen raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept
-        (positions never reached inherit, as in `estimates`). For a choice that cannot be revisited and that
-        decides whether anything more is learned (a draft model's prompt read): weighed at
-        the plain estimates, a policy that once learned low acceptance would never draft
-        again, so never learn otherwise, on this request or, its tables kept, on any later one."""
+        (positions never reached inherit, as in `estimates`). For a choice that cannot be
+        revisited and that decides whether anything more is learned (a draft model's prompt
+        read): weighed at the plain estimates, a policy that once learned low acceptance would
+        never draft again, so never learn otherwise, in this request or, its tables kept, in
+        any later one."""
         hopeful = copy.copy(self)
         hopeful.accept = [[a + (1.0 - a) * PRIOR_WEIGHT / (n + PRIOR_WEIGHT) if n else a
                            for a, n in zip(row, seen)] for row, seen in zip(self.accept, self.seen)]
@@ -249,8 +250,8 @@ class AdaptiveK:
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
         if proposed or not plain_by_choice:
             self.state = int(proposed > 0 and accepted > 0)
-        if proposed and accepted:  # a kept probe: the text may have turned predictable, so the
-            self.probe_every = PROBE_FIRST  # next comes soon (failed ones space them out)
+        if proposed and accepted:  # a kept draft (after a probe: the text may have turned
+            self.probe_every = PROBE_FIRST  # predictable, so the next probe comes soon)
 
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
