@@ -58,6 +58,9 @@ PRIOR, PRIOR_WEIGHT = 0.4, 2
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
+# Observations of a draft position below which a step after one that kept all it drafted goes
+# one token deeper (`AdaptiveK.choose`).
+CURIOUS = 8
 STATES = 2  # acceptance tables: 1 after a step that kept its first draft token, else 0
 
 
@@ -93,6 +96,7 @@ class AdaptiveK:
     offers: list[float] = field(default_factory=lambda: [1.0] * STATES)
     asked: list[int] = field(default_factory=lambda: [0] * STATES)
     together: object = None  # rows whose policies share this key draft in one forward per depth
+    kept_all: bool = False  # the last step drafted and the target kept every token of it
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)
@@ -185,6 +189,8 @@ class AdaptiveK:
             self.steps += 1
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
+            elif self.kept_all and self.state and k < self.k_max and self.seen[1][k] < CURIOUS:
+                k += 1  # (see `observe`)
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
     def hopeful_gain(self) -> float:
@@ -250,6 +256,11 @@ class AdaptiveK:
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
         if proposed or not plain_by_choice:
             self.state = int(proposed > 0 and accepted > 0)
+        # A position beyond every step's draft is never observed: once learned low (early, or
+        # on other text) it would hold k below it however reliably the shallower ones are
+        # kept. So after a step that kept all it drafted, while the next position has been
+        # seen less than `CURIOUS` times, the next step drafts one token deeper.
+        self.kept_all = 0 < proposed <= accepted
         if proposed and accepted:  # a kept draft (after a probe: the text may have turned
             self.probe_every = PROBE_FIRST  # predictable, so the next probe comes soon)
 

@@ -188,6 +188,28 @@ def test_a_kept_probe_brings_the_next_one_forward():
     assert next_probe(True) == adaptive.PROBE_FIRST - 1  # ... and the next probe comes soon
 
 
+def test_a_position_learned_low_is_looked_at_again_once_the_shallower_ones_are_kept():
+    """A draft position beyond every step's k is never observed: learned low (on other text,
+    or early), it would hold k below it forever, however reliably the shallower positions
+    are kept now. After a step that kept all it drafted, the next one drafts a token deeper
+    while that position is little known. Without that rule (the old one) this policy drafts
+    4 tokens on every step of easy text and its fifth-token estimate never moves."""
+    policy = AdaptiveK(linear_costs(0.05, draft=0.2), k_max=8)
+    policy.state = 1
+    policy.accept[1][:5] = [1.0, 1.0, 1.0, 1.0, 0.3]
+    policy.seen[1][:5] = [20, 20, 20, 20, 3]
+    assert policy.choose()[0] == 4  # the low fifth position holds it at 4 ...
+    policy.observe(4, 4)
+    ks = []
+    for _ in range(12):  # ... on text where the target keeps every draft token
+        k, _ = policy.choose()
+        ks.append(k)
+        policy.observe(k, k)
+    assert ks[0] == 5 and policy.seen[1][4] > 3
+    assert max(ks) == 8 and policy.accept[1][4] > 0.8, ks
+    assert policy.choose()[0] == 8  # what it learned, not only the exploration, says 8 now
+
+
 def test_expected_gain_is_reported_relative_to_plain_decoding():
     policy = AdaptiveK(linear_costs(0.0), k_max=4)
     feed(policy, 50, accept_len=4)
