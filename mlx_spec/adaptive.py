@@ -151,8 +151,9 @@ class AdaptiveK:
         to_one = [float(state)] + estimates[:1] * self.k_max  # k = 0 stays; else the first token kept
         return self._tokens(state, estimates), [self.seconds(k, state) for k in range(self.k_max + 1)], to_one
 
-    def rates(self) -> list[float]:
-        """Long-run expected tokens per second for each k of the current state.
+    def rates(self, most: int | None = None) -> list[float]:
+        """Long-run expected tokens per second for each k of the current state (each k up to
+        `most`, in both states, when the drafter cannot propose more).
 
         A step moves the policy between the two states (to 1 when its first draft
         token is kept, to 0 otherwise), so what k earns now depends also on the
@@ -162,7 +163,8 @@ class AdaptiveK:
         share pi of each state gives the rate sum(pi E) / sum(pi T); the other
         state's k is the best one for each k here.
         """
-        here, there = (np.array(c) for c in (self._curves(self.state), self._curves(1 - self.state)))
+        top = self.k_max if most is None else min(most, self.k_max)
+        here, there = (np.array(c)[:, : top + 1] for c in (self._curves(self.state), self._curves(1 - self.state)))
         # probability that a step leaves its state, for each k
         leave_here = here[2] if self.state == 0 else 1.0 - here[2]
         leave_there = there[2] if self.state == 1 else 1.0 - there[2]
@@ -175,11 +177,14 @@ class AdaptiveK:
         best = np.where(stays, here[0] / here[1], pairs.max(axis=1))
         return best.tolist()
 
-    def choose(self) -> tuple[int, float]:
-        """(k, its expected gain over plain decoding)."""
-        rates = self.rates()
+    def choose(self, most: int | None = None) -> tuple[int, float]:
+        """(k, its expected gain over plain decoding); k <= `most` when the drafter is known to
+        have no more (a prompt lookup already made: a longer k would be weighed at tokens it
+        cannot propose)."""
+        top = self.k_max if most is None else min(most, self.k_max)
+        rates = self.rates(top)
         k = max(range(len(rates)), key=rates.__getitem__)
-        if k == 0 and self.k_max > 0:
+        if k == 0 and top > 0:
             self.parked += 1
             if self.parked >= self.probe_every:  # look again, cheaply
                 self.parked, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX)
@@ -188,8 +193,8 @@ class AdaptiveK:
             self.parked, self.probe_every = 0, PROBE_FIRST
             self.steps += 1
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
-                k = max(1, min(self.k_max, k + (1 if self.steps // EXPLORE % 2 else -1)))
-            elif self.kept_all and self.state and k < self.k_max and self.seen[1][k] < CURIOUS:
+                k = max(1, min(top, k + (1 if self.steps // EXPLORE % 2 else -1)))
+            elif self.kept_all and self.state and k < top and self.seen[1][k] < CURIOUS:
                 k += 1  # (see `observe`)
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 

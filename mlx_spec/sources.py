@@ -95,7 +95,7 @@ class SourceChoice(AdaptiveK):
         self.free = self.frees[bisect.bisect_right(MATCHED, matched)]
         k, gain = super().choose()
         if ahead:
-            k_free, gain_free = self.free.choose()
+            k_free, gain_free = self.free.choose(len(ahead))
             if k_free and (gain_free >= gain or not drafter.read and drafter.backlog >= CATCH_UP_MIN):
                 return self._pick(drafter, FREE, k_free, gain_free)
             self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens

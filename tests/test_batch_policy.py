@@ -248,3 +248,22 @@ def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tm
                 decoder.release(uid)
     assert calibration.one_time_seconds() - before > 0.5  # the wide curve was measured mid-run
     assert seen and max(seen) < 0.3
+
+
+def test_a_batch_looks_one_token_deeper_after_rows_kept_all_they_drafted(synthetic_costs):
+    """As one row's policy does (`test_adaptive`): a fifth draft position learned low holds K at
+    4 until a step in which the rows kept every draft token; then the batch tries K = 5 while
+    that position is little known (the old rule kept K = 4)."""
+    model = tiny.llama_model()
+    policies = []
+    for _ in range(2):
+        p = adaptive.AdaptiveK(adaptive.CostModel([cost(n) for n in range(1, 18)], 0.2), k_max=8)
+        p.state, p.accept[1][:5], p.seen[1][:5] = 1, [1.0, 1.0, 1.0, 1.0, 0.3], [20, 20, 20, 20, 3]
+        policies.append(p)
+    assert [k for k, _ in batch_policy.choose_for_batch(model, policies)] == [4, 4]
+    for p in policies:
+        p.observe(4, 4)
+    assert [k for k, _ in batch_policy.choose_for_batch(model, policies)] == [5, 5]
+    for p in policies:
+        p.seen[1][4] = adaptive.CURIOUS  # well known (and low): no more looking
+    assert [k for k, _ in batch_policy.choose_for_batch(model, policies)] == [4, 4]

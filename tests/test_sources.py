@@ -86,6 +86,22 @@ def test_a_long_match_and_a_short_one_are_weighed_by_their_own_acceptance():
     del row
 
 
+def test_a_lookup_is_weighed_at_the_tokens_it_found_not_at_a_longer_draft():
+    """The free source's gain is its best rate over drafts it can make: a lookup that found 1
+    token is weighed at k <= 1. Weighed at its unconstrained best k (the wrong rule), a
+    1-token lookup of a reliable source beat a draft model that would propose 8."""
+    policy, drafter = policy_with(0.95, 0.9), Lookup([1, 2, 3], [4])
+    row = serve(policy, drafter)
+    unconstrained = max(policy.free.rates()) * policy.free.seconds(0)
+    k, gain = policy.choose()
+    assert policy.source == PAID and k > 1 and gain < unconstrained
+    policy.observe(0, 0, None, plain_by_choice=True)
+    drafter.ahead = [4, 5, 6, 7, 8, 9, 10, 11]  # a lookup that found a long continuation wins
+    k, _ = policy.choose()
+    assert policy.source == FREE and k > 1
+    del row
+
+
 def test_after_a_free_step_the_model_starts_afresh_not_within_a_run():
     """The paid policy's second table is for steps after one of its own kept drafts. A step
     after lookup's is taught to the first: lookup drafts until the copy ends, where the
@@ -230,12 +246,12 @@ def test_the_read_is_weighed_at_the_gain_left_by_this_requests_free_steps():
     """After lookup drafted most of this request, the draft model's expected gain (what the
     row weighs the prompt read against) shrinks to what it adds on the steps left to it,
     whatever earlier requests showed."""
-    policy, drafter = policy_with(0.9, 0.95), Lookup([1, 2, 3], [9, 8, 7, 6])
+    policy, drafter = policy_with(0.9, 0.95), Lookup([1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2])
     row = serve(policy, drafter)
     drafter.ahead = []
     fresh = policy.choose()[1]
     policy.observe(0, 0, None)
-    drafter.ahead = [9, 8, 7, 6]
+    drafter.ahead = [9, 8, 7, 6, 5, 4, 3, 2]
     for _ in range(6):
         policy.choose()
         assert policy.source == FREE
