@@ -35,8 +35,9 @@ costs about what a plain one does, while the read costs a forward of the draft
 model over the whole prompt, more than a short code edit gains from it. At the
 first step the free source has nothing, the read is weighed against plain decoding
 (`Row.drafting_pays`), at the gain the paid source adds on the share of steps the
-free one leaves it: this request's share so far, starting from the running share
-over earlier ones. A code edit that lookup has been copying does not pay for the
+free one leaves it in this request so far (hopeful: the running share over earlier
+requests, which may have been code edits, would shut the draft model out of a JSON
+answer it drafts well). A code edit that lookup has been copying does not pay for the
 read at its first miss; it goes on with lookup alone.
 
 In a batch the rows' lengths are chosen together from the paid source's policy
@@ -101,16 +102,22 @@ class SourceChoice(AdaptiveK):
             self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens
         return self._pick(drafter, PAID, k, self._left(gain))
 
-    def _left(self, gain: float) -> float:
-        """What paying saves, on the share of steps the free source leaves it."""
-        if gain <= 1.0:
+    def _left(self, gain: float, earlier: bool = True) -> float:
+        """What paying saves, on the share of steps the free source leaves it: this request's
+        share, from the running one over `earlier` requests (worth 4 steps)."""
+        weight = SHARE_WEIGHT if earlier else 0
+        free, steps = self.here
+        if gain <= 1.0 or not steps + weight:
             return gain
-        free, steps = self.here  # this request's share, from the running one (worth 4 steps)
-        share = (free + SHARE_WEIGHT * self.free_share) / (steps + SHARE_WEIGHT)
+        share = (free + weight * self.free_share) / (steps + weight)
         return 1.0 / (1.0 - (1.0 - share) * (1.0 - 1.0 / gain))
 
     def hopeful_gain(self) -> float:
-        return self._left(super().hopeful_gain())
+        """Hopeful also about the share: this request's own alone. After code edits, where
+        lookup drafts most steps, the running share would leave a JSON answer's draft model
+        too little to repay its read, and the read never happens (the request goes on with
+        lookup alone, which barely drafts there)."""
+        return self._left(super().hopeful_gain(), earlier=False)
 
     def _pick(self, drafter, source: str, k: int, gain: float) -> tuple[int, float]:
         self.source = drafter.only = source

@@ -9,7 +9,7 @@ import pytest
 import mlx_spec
 import tiny
 from mlx_spec import adaptive, calibration
-from mlx_spec.adaptive import CostModel, _load_learned, save_learned
+from mlx_spec.adaptive import AdaptiveK, CostModel, _load_learned, save_learned
 from mlx_spec.calibration import model_key
 from mlx_spec.sources import FREE, PAID, SourceChoice
 from runs import mlx_lm_greedy as reference
@@ -260,4 +260,23 @@ def test_the_read_is_weighed_at_the_gain_left_by_this_requests_free_steps():
     policy.free_share = 0.0  # as if earlier requests had left lookup nothing: this one counts
     after = policy.choose()[1]
     assert policy.source == PAID and 1.0 < after < 1.0 + 0.5 * (fresh - 1.0), (fresh, after)
+    del row
+
+
+def test_the_read_is_hoped_for_at_this_requests_share_not_the_earlier_ones():
+    """Earlier requests were code edits (lookup drafted 95% of their steps): at a JSON
+    request's first step, where lookup finds nothing, the draft model's read is weighed at
+    its whole hopeful gain. Discounted by the earlier share (the wrong rule) it looked worth
+    5% of that, so the request never read the prompt and went on with lookup alone."""
+    policy, drafter = policy_with(0.9, 0.95), Lookup([1, 2, 3], [])
+    policy.free_share = 0.95
+    row = serve(policy, drafter)
+    whole = AdaptiveK.hopeful_gain(policy)
+    assert whole > 2.0 and policy.hopeful_gain() == pytest.approx(whole)
+    drafter.ahead = [9, 8, 7, 6, 5, 4, 3, 2]
+    for _ in range(4):  # this request's own free steps do count
+        policy.choose()
+        assert policy.source == FREE
+        policy.observe(0, 0, None)
+    assert policy.hopeful_gain() < 1.0 + 0.5 * (whole - 1.0)
     del row
