@@ -200,15 +200,16 @@ class AdaptiveK:
 
     def hopeful_gain(self) -> float:
         """The best expected gain over plain decoding if what is still uncertain goes well:
-        each acceptance seen raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept
-        (positions never reached inherit, as in `estimates`). For a choice that cannot be
+        each acceptance seen taken as a new process takes what an earlier one learned, then
+        raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept (`_hoped`; positions
+        never reached inherit, as in `estimates`). For a choice that cannot be
         revisited and that decides whether anything more is learned (a draft model's prompt
         read): weighed at the plain estimates, a policy that once learned low acceptance would
         never draft again, so never learn otherwise, in this request or, its tables kept, in
         any later one."""
         hopeful = copy.copy(self)
-        hopeful.accept = [[a + (1.0 - a) * PRIOR_WEIGHT / (n + PRIOR_WEIGHT) if n else a
-                           for a, n in zip(row, seen)] for row, seen in zip(self.accept, self.seen)]
+        hopeful.accept = [[_hoped(a, n) if n else a for a, n in zip(row, seen)]
+                          for row, seen in zip(self.accept, self.seen)]
         return max(hopeful.rates()) * self.seconds(0)
 
     def offered(self, asked: int, proposed: int) -> None:
@@ -268,6 +269,15 @@ class AdaptiveK:
         self.kept_all = 0 < proposed <= accepted
         if proposed and accepted:  # a kept draft (after a probe: the text may have turned
             self.probe_every = PROBE_FIRST  # predictable, so the next probe comes soon)
+
+
+def _hoped(a: float, n: int) -> float:
+    """An acceptance seen `n` times, hoped for: what earlier requests showed counts as it does
+    in a new process (`_apply_learned`: never below the cautious prior, worth at most
+    `LOADED_WEIGHT` observations: another request's text may differ from this one's), then
+    raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept."""
+    a = max(a, PRIOR)
+    return a + (1.0 - a) * PRIOR_WEIGHT / (min(n, LOADED_WEIGHT) + PRIOR_WEIGHT)
 
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
