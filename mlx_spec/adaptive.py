@@ -58,8 +58,9 @@ PRIOR, PRIOR_WEIGHT = 0.4, 2
 EMA = 0.1  # weight of a new observation once the running mean's is smaller
 PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PROBE_MAX
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
-# Observations of a draft position below which a step after one that kept all it drafted goes
-# one token deeper (`AdaptiveK.choose`).
+# A position beyond every step's draft is never observed: learned low (early, or on other text)
+# it would hold k below it for good. So after a step that kept all it drafted, while the next
+# position has been seen fewer than CURIOUS times, the next step drafts one token deeper.
 CURIOUS = 8
 STATES = 2  # acceptance tables: 1 after a step that kept its first draft token, else 0
 
@@ -179,8 +180,7 @@ class AdaptiveK:
 
     def choose(self, most: int | None = None) -> tuple[int, float]:
         """(k, its expected gain over plain decoding); k <= `most` when the drafter is known to
-        have no more (a prompt lookup already made: a longer k would be weighed at tokens it
-        cannot propose)."""
+        have no more (a lookup already made: a longer k would count tokens it cannot propose)."""
         top = self.k_max if most is None else min(most, self.k_max)
         rates = self.rates(top)
         k = max(range(len(rates)), key=rates.__getitem__)
@@ -195,7 +195,7 @@ class AdaptiveK:
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(top, k + (1 if self.steps // EXPLORE % 2 else -1)))
             elif self.kept_all and self.state and k < top and self.seen[1][k] < CURIOUS:
-                k += 1  # (see `observe`)
+                k += 1  # (see CURIOUS)
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
     def hopeful_gain(self) -> float:
@@ -262,20 +262,15 @@ class AdaptiveK:
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)
         if proposed or not plain_by_choice:
             self.state = int(proposed > 0 and accepted > 0)
-        # A position beyond every step's draft is never observed: once learned low (early, or
-        # on other text) it would hold k below it however reliably the shallower ones are
-        # kept. So after a step that kept all it drafted, while the next position has been
-        # seen less than `CURIOUS` times, the next step drafts one token deeper.
-        self.kept_all = 0 < proposed <= accepted
+        self.kept_all = 0 < proposed <= accepted  # (see CURIOUS)
         if proposed and accepted:  # a kept draft (after a probe: the text may have turned
             self.probe_every = PROBE_FIRST  # predictable, so the next probe comes soon)
 
 
 def _hoped(a: float, n: int) -> float:
-    """An acceptance seen `n` times, hoped for: what earlier requests showed counts as it does
-    in a new process (`_apply_learned`: never below the cautious prior, worth at most
-    `LOADED_WEIGHT` observations: another request's text may differ from this one's), then
-    raised toward 1 as if `PRIOR_WEIGHT` more drafts had been kept."""
+    """An acceptance seen `n` times, hoped for: counted as a new process counts a kept one
+    (`_apply_learned`: another request's text may differ), then raised toward 1 as if
+    `PRIOR_WEIGHT` more drafts had been kept."""
     a = max(a, PRIOR)
     return a + (1.0 - a) * PRIOR_WEIGHT / (min(n, LOADED_WEIGHT) + PRIOR_WEIGHT)
 
