@@ -60,7 +60,8 @@ PROBE_FIRST, PROBE_MAX = 4, 64  # parked steps before a probe; doubles up to PRO
 EXPLORE = 16  # every EXPLORE-th drafting step tries k-1 or k+1, so the curve's shape is measured
 # A position beyond every step's draft is never observed: learned low (early, or on other text)
 # it would hold k below it for good. So after a step that kept all it drafted, while the next
-# position has been seen fewer than CURIOUS times, the next step drafts one token deeper.
+# position has been seen fewer than CURIOUS times, the next step drafts one token deeper (timed
+# policies, whose tables carry over between requests; a seeded row's starts afresh each time).
 CURIOUS = 8
 STATES = 2  # acceptance tables: 1 after a step that kept its first draft token, else 0
 
@@ -194,7 +195,7 @@ class AdaptiveK:
             self.steps += 1
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(top, k + (1 if self.steps // EXPLORE % 2 else -1)))
-            elif self.kept_all and self.state and k < top and self.seen[1][k] < CURIOUS:
+            elif self.timed and self.kept_all and self.state and k < top and self.seen[1][k] < CURIOUS:
                 k += 1  # (see CURIOUS)
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 

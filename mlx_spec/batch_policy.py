@@ -197,7 +197,7 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
         if costs.steps % EXPLORE == 0:
             K = max(1, min(len(rates) - 1, K + (1 if costs.steps // EXPLORE % 2 else -1)))
             costs.plan = "explore"
-        elif K < len(rates) - 1 and any(p.kept_all and p.state and K < p.k_max and p.seen[1][K] < CURIOUS
+        elif K < len(rates) - 1 and any(p.timed and p.kept_all and p.state and K < p.k_max and p.seen[1][K] < CURIOUS
                                         for p in auto):  # as one row's policy does (`AdaptiveK.choose`)
             K, costs.plan = K + 1, "explore"
     gain = rates[K] / rates[0]
