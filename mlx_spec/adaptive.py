@@ -182,8 +182,8 @@ class AdaptiveK:
     def choose(self, most: int | None = None) -> tuple[int, float]:
         """(k, its expected gain over plain decoding); k <= `most` when the drafter is known to
         have no more (a lookup already made: a longer k would count tokens it cannot propose)."""
-        top = self.k_max if most is None else min(most, self.k_max)
-        rates = self.rates(top)
+        rates = self.rates(most)
+        top = len(rates) - 1
         k = max(range(len(rates)), key=rates.__getitem__)
         if k == 0 and top > 0:
             self.parked += 1
@@ -195,8 +195,8 @@ class AdaptiveK:
             self.steps += 1
             if self.steps % EXPLORE == 0:  # measure a neighbour now and then
                 k = max(1, min(top, k + (1 if self.steps // EXPLORE % 2 else -1)))
-            elif self.timed and self.kept_all and self.state and k < top and self.seen[1][k] < CURIOUS:
-                k += 1  # (see CURIOUS)
+            elif k < top and self.curious(k):
+                k += 1
         return k, rates[k] * self.seconds(0)  # over plain decoding's 1 token per seconds(0)
 
     def hopeful_gain(self) -> float:
@@ -212,6 +212,10 @@ class AdaptiveK:
         hopeful.accept = [[_hoped(a, n) if n else a for a, n in zip(row, seen)]
                           for row, seen in zip(self.accept, self.seen)]
         return max(hopeful.rates()) * self.seconds(0)
+
+    def curious(self, k: int) -> bool:
+        """Whether this step, whose best length is k, drafts k + 1 instead (see CURIOUS)."""
+        return self.timed and self.kept_all and self.state == 1 and k < self.k_max and self.seen[1][k] < CURIOUS
 
     def offered(self, asked: int, proposed: int) -> None:
         """The drafter, asked for `asked` tokens, proposed `proposed` (before any trimming)."""
@@ -272,8 +276,14 @@ def _hoped(a: float, n: int) -> float:
     """An acceptance seen `n` times, hoped for: counted as a new process counts a kept one
     (`_apply_learned`: another request's text may differ), then raised toward 1 as if
     `PRIOR_WEIGHT` more drafts had been kept."""
-    a = max(a, PRIOR)
-    return a + (1.0 - a) * PRIOR_WEIGHT / (min(n, LOADED_WEIGHT) + PRIOR_WEIGHT)
+    a, n = _carried(a, n)
+    return a + (1.0 - a) * PRIOR_WEIGHT / (n + PRIOR_WEIGHT)
+
+
+def _carried(a: float, n: int) -> tuple[float, int]:
+    """An acceptance and its count as another request or process starts from them: never more
+    pessimistic than a cold start, and worth a few observations (its text may differ)."""
+    return max(float(a), PRIOR), min(int(n), LOADED_WEIGHT)
 
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
@@ -387,8 +397,9 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
     # Warm, but worth only a few observations, and never more pessimistic than a cold
     # start: another process's workload (chat) may differ from this one's (code edits),
     # and a policy that started parked would rarely look again within one request.
-    policy.accept = [[max(float(a), PRIOR) for a in row] for row in accept]
-    policy.seen = [[min(int(n), LOADED_WEIGHT) for n in row] for row in seen]
+    carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
+    policy.accept = [[a for a, _ in row] for row in carried]
+    policy.seen = [[n for _, n in row] for row in carried]
     if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}

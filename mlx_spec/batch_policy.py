@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import adaptive, calibration
-from .adaptive import CURIOUS, EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, policy_for
+from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, policy_for
 from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .cache import MAX_DRAFT
 from .identity import IdentityMap
@@ -197,8 +197,7 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
         if costs.steps % EXPLORE == 0:
             K = max(1, min(len(rates) - 1, K + (1 if costs.steps // EXPLORE % 2 else -1)))
             costs.plan = "explore"
-        elif K < len(rates) - 1 and any(p.timed and p.kept_all and p.state and K < p.k_max and p.seen[1][K] < CURIOUS
-                                        for p in auto):  # as one row's policy does (`AdaptiveK.choose`)
+        elif K < len(rates) - 1 and any(p.curious(K) for p in auto):  # as one row's policy does
             K, costs.plan = K + 1, "explore"
     gain = rates[K] / rates[0]
     return [(min(K, p.k_max), gain) if isinstance(p, AdaptiveK) else (p.k, None) for p in policies]
