@@ -1,7 +1,7 @@
 """Host time per decode step: mlx-spec against mlx-lm's plain and speculative loops.
 
     python scripts/overhead.py [--model smollm2-135m-instruct] [--draft-model NAME] [--k 4]
-    python scripts/overhead.py --gpu-like      # 30 layers of width 64, a 49k vocabulary
+    python scripts/overhead.py --gpu-like      # 30 layers of width 64, --model's tokenizer (49k)
     python scripts/overhead.py --policy        # the draft-length policy's own cost per step (one row, a batch)
 
 Real model: per method, interleaved over rounds (medians printed), milliseconds per step,
@@ -132,7 +132,7 @@ def gpu_like(args) -> int:
                             vocab_size=49152, tie_word_embeddings=False)
     model = llama.Model(margs)
     mx.eval(model.parameters())
-    _, tok = mlx_spec.load(resolve_model("smollm2-135m-instruct"))  # a real 49152-token tokenizer
+    _, tok = mlx_spec.load(resolve_model(args.model))  # a real tokenizer (the zoo's SmolLM2: 49152 tokens)
     if not args.byte_fragments:
         # A random model picks byte-fragment tokens (pieces of multi-byte UTF-8 characters) as
         # often as any, and a streaming detokenizer re-decodes its unfinished bytes after each
