@@ -92,18 +92,20 @@ def main() -> None:
         if "head" in flags:
             results[setup] = run_head(model, tok, target, draft, "quick" in flags)
         elif "v4" in flags:
-            results[setup] = run_v4(model, tok, target)
+            results[setup] = run_v4(model, tok, target, mode)
         elif "mtp" in flags:
             results[setup] = run_mtp(model, tok, target)
         else:
-            results[setup] = run_all(model, tok, target, draft, "quick" in flags, "noauto" in flags)
+            results[setup] = run_all(model, tok, target, draft, mode, "quick" in flags, "noauto" in flags)
         results[setup]["layout"] = distributed.describe(model)
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(results))
 
 
-def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> dict:
-    """Every drafter kind, greedy and sampled; `quick`: the first prompt, n-gram only;
-    `noauto`: no adaptive draft length (its calibration costs ~70 forwards)."""
+def run_all(model, tok, target: str, draft: str, mode: str, quick: bool, noauto: bool) -> dict:
+    """Every drafter kind, greedy, and seeded sampled on a pipeline split (a tensor split
+    sums partial products in another order, so its sampled tokens may differ from the
+    unsharded target's); `quick`: the first prompt, n-gram only; `noauto`: no adaptive draft
+    length (its calibration costs ~70 forwards)."""
     result = {}
     reference, _ = mlx_spec.load(target)
     draft_model, draft_tok = mlx_spec.load(draft)
@@ -119,7 +121,7 @@ def run_all(model, tok, target: str, draft: str, quick: bool, noauto: bool) -> d
             result[f"draft_model{i}"] = tokens(model, tok, prompt,
                                                mlx_spec.DraftModelDrafter(draft_model, draft_tok),
                                                num_draft_tokens=4)
-        for seed in (1,) if quick else (1, 2):
+        for seed in () if mode != "pipeline" else (1,) if quick else (1, 2):
             opts = dict(temp=1.0, seed=seed, num_draft_tokens=3)
             result[f"sampled{i}_{seed}"] = tokens(model, tok, prompt, mlx_spec.NGramDrafter(), **opts)
             result[f"sampled_unsharded{i}_{seed}"] = tokens(reference, tok, prompt,
@@ -201,17 +203,18 @@ def run_head(model, tok, target: str, head: str, quick: bool) -> dict:
     return result
 
 
-def run_v4(model, tok, target: str) -> dict:
+def run_v4(model, tok, target: str, mode: str) -> dict:
     """A DeepSeek-V4 target (mlx-vlm) with the DSpark stages of its checkpoint: plain, n-gram
-    (greedy and seeded sampled) and DSpark tokens, and every DSpark step's proposal, on the
+    (greedy, and seeded sampled on a pipeline split) and DSpark tokens, and every DSpark step's proposal, on the
     sharded and the unsharded target. 12 drafts: verify blocks of 13 tokens, which the target feeds in pieces of 8."""
     reference, _ = mlx_spec.load(target)
     result = {"unsharded0": tokens(reference, tok, PROMPTS[0], None),
               "plain0": tokens(model, tok, PROMPTS[0], None),
               "ngram0": tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), num_draft_tokens=3)}
-    opts = dict(temp=1.0, seed=1, num_draft_tokens=3)
-    result["sampled0_1"] = tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
-    result["sampled_unsharded0_1"] = tokens(reference, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
+    if mode == "pipeline":
+        opts = dict(temp=1.0, seed=1, num_draft_tokens=3)
+        result["sampled0_1"] = tokens(model, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
+        result["sampled_unsharded0_1"] = tokens(reference, tok, PROMPTS[0], mlx_spec.NGramDrafter(), **opts)
     for name, m in (("dspark", model), ("dspark_unsharded", reference)):
         d = mlx_spec.load_drafter(target, m, kind="dspark", num_speculative_tokens=12)
         out = list(mlx_spec.stream_generate(m, tok, PROMPTS[0], d, max_tokens=N, trace=True,

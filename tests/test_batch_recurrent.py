@@ -204,7 +204,7 @@ def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
     def runs(n):
         return batched_runs(model, cases, n, group=1)  # rows prefill one by one: wider is slower
 
-    for r, joint in zip(runs(600), joints):
+    for r, joint in zip(runs(400), joints):
         L.assert_lossless(r, joint)
     with pytest.MonkeyPatch.context() as mp:
         L.use_rule(mp, L.wrong_rule(residual="p"))

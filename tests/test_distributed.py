@@ -122,11 +122,11 @@ def test_sharded_runs_match(folders, tmp_path, n):
             if f"ahead_auto{i}" in res:  # plain steps queued ahead alike on every rank
                 ahead, drafted, forwards = res[f"ahead_auto{i}"]
                 assert ahead == plain and 0 < drafted < forwards, setup  # drafts and plain steps ran
+            if mode == "pipeline":  # identical logits: identical seeded sampling too
+                for seed in (1,) if ":quick" in setup else (1, 2):
+                    assert res[f"sampled{i}_{seed}"] == res[f"sampled_unsharded{i}_{seed}"], setup
         if "tree_auto1" in res:  # whole trees were verified
             assert res["tree_auto0"][1] + res["tree_auto1"][1] > 0, setup
-            if mode == "pipeline":  # identical logits: identical seeded sampling too
-                for seed in (1, 2):
-                    assert res.get(f"sampled{i}_{seed}") == res.get(f"sampled_unsharded{i}_{seed}")
         if "cache_turns" in res:  # turn 2 continues from the sharded prompt cache
             seen, turn2, whole_history = res["cache_turns"]
             assert turn2 == whole_history and res["cache_turns"] == res["cache_turns_unsharded"]
