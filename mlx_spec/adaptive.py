@@ -213,6 +213,18 @@ class AdaptiveK:
                           for row, seen in zip(self.accept, self.seen)]
         return max(hopeful.rates()) * self.seconds(0)
 
+    def start_request(self) -> None:
+        """A new request (timed policies): its text may differ from the ones this policy learned
+        on, so each estimate counts as at most `LOADED_WEIGHT` observations, as a kept file's
+        does in a new process. The request's own steps then move the estimates quickly, and
+        positions already seen often are looked at again (`curious`): in a long process (a
+        server, a benchmark) the counts otherwise grew with every request, and after a chat
+        story a JSON answer drafted 1-2 tokens a step with every token kept. A parked policy
+        probes soon."""
+        if self.timed:
+            self.seen = [[min(n, LOADED_WEIGHT) for n in row] for row in self.seen]
+            self.parked, self.probe_every = 0, PROBE_FIRST
+
     def curious(self, k: int) -> bool:
         """Whether this step, whose best length is k, drafts k + 1 instead (see CURIOUS)."""
         return self.timed and self.kept_all and self.state == 1 and k < self.k_max and self.seen[1][k] < CURIOUS

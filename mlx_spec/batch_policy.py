@@ -336,6 +336,7 @@ def draft_lengths(model, row: Row, recurrent: bool):
         policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
                             seeded=req.repeatable)
         policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
+        policy.start_request()
         if hasattr(policy, "serve"):  # `SourceChoice`: it looks up this row's free draft
             policy.serve(row)
         return policy

@@ -85,6 +85,11 @@ class SourceChoice(AdaptiveK):
         """From now on this policy chooses for `row` (a new request: nothing pending)."""
         self.row, self.guess, self.source, self.here = weakref.ref(row), None, None, (0, 0)
 
+    def start_request(self) -> None:
+        super().start_request()
+        for policy in self.frees:
+            policy.start_request()
+
     def choose(self) -> tuple[int, float]:
         row = self.row() if self.row is not None else None
         if row is None or row.y is None:
