@@ -37,20 +37,16 @@ is lossless, so the choice affects only speed.
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from . import calibration
-from .calibration import N_MAX, model_key, verify_seconds, write_json
-from .identity import IdentityMap
+from .calibration import N_MAX
 
 log = logging.getLogger("mlx_spec")
 
+LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
 # Acceptance assumed before observing, worth 2 observations. Cautious: a cold start drafts
 # short until acceptance proves itself; what a policy learned is kept on disk, so only the
 # first run of a model, drafter kind and sampling mode starts cold.
@@ -296,134 +292,3 @@ def _carried(a: float, n: int) -> tuple[float, int]:
     """An acceptance and its count as another request or process starts from them: never more
     pessimistic than a cold start, and worth a few observations (its text may differ)."""
     return max(float(a), PRIOR), min(int(n), LOADED_WEIGHT)
-
-
-_POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
-
-
-def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
-               seeded: bool = False, recalibrate: bool = False) -> AdaptiveK:
-    """The adaptive policy for this target, drafter and sampling settings.
-
-    What a policy learned (acceptance per position, the cost curve's real
-    shape) carries over to the next call with the same drafter, target and
-    sampling settings. A `seeded` call gets a fresh policy that ignores step
-    timings, so its choices depend only on the (cached) calibration and the
-    tokens: a seeded run repeats exactly.
-    """
-    verify = verify_seconds(model, recalibrate=recalibrate)
-    draft_model = getattr(drafter, "model", None)
-    per_token = verify_seconds(draft_model, n_max=1, recalibrate=recalibrate)[0] if draft_model is not None else 0.0
-
-    def fresh() -> AdaptiveK:
-        from .sources import SourceChoice  # a mixed drafter with a free member: one source a step
-
-        kind = SourceChoice if getattr(drafter, "free_member", None) is not None else AdaptiveK
-        return kind(CostModel(verify, per_token), k_max, replays=replays, timed=not seeded)
-
-    if seeded:
-        return fresh()
-    known = _POLICIES.setdefault(drafter, dict)
-    key = (model_key(model), k_max, replays, sampling)
-    if recalibrate or key not in known:
-        origin = getattr(drafter, "forked_from", lambda: None)()  # a fork starts warm, on its own copy
-        learned = _POLICIES.get(origin, {}).get(key) if origin is not None else None
-        policy = copy.deepcopy(learned) if learned is not None and not recalibrate else fresh()
-        if learned is None and not recalibrate:
-            if not _load_learned(policy, policy_file(model, drafter, sampling)):  # an earlier process's
-                paid = getattr(drafter, "paid_member", None)  # (a mixed drafter: its draft model's)
-                if getattr(policy, "frees", None) is not None and paid is not None:
-                    _load_learned(policy, policy_file(model, paid, sampling), sources=False)
-        known[key] = policy
-    return known[key]
-
-
-def policy_file(model, drafter, sampling) -> Path:
-    """Where what a policy learned is kept: per model, drafter kind and sampling mode."""
-    parent = getattr(drafter, "forked_from", lambda: None)() or drafter
-    kind = type(parent).__name__
-    draft_model = getattr(parent, "model", None)
-    if draft_model is not None:
-        kind += "-" + model_key(draft_model)
-    mode = "greedy" if sampling is None or sampling.greedy else "sampled"
-    return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
-
-
-def policy_dir() -> Path:
-    return calibration.cache_dir() / "policies"
-
-
-def weights_key(model) -> str:
-    """A fingerprint of the weights themselves (acceptance depends on them, unlike costs):
-    a few values from the middle of every parameter tensor, read in one evaluation."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    flat = [v.reshape(-1) for _, v in tree_flatten(model.parameters())]
-    parts = [v[v.size // 2 : v.size // 2 + 4].astype(mx.float32) for v in flat if v.size]
-    probe = mx.concatenate(parts).tolist() if parts else []
-    return hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:8]
-
-
-LEARNED = ("accept", "seen", "scale", "shape")
-# How step times were taken (1, unversioned: the first plain step after a drafting step was
-# timed with the next step's launch, making plain steps look dearer): older timings are dropped.
-TIMING_VERSION = 2
-LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
-
-
-def save_learned(policy: AdaptiveK, path: Path) -> None:
-    """Keep what `policy` learned for the next process (never raises: it is only a warm start)."""
-    try:
-        write_json(path, _learned(policy))
-    except OSError:
-        pass
-
-
-def _learned(policy: AdaptiveK) -> dict:
-    data = {name: getattr(policy, name) for name in LEARNED}
-    data["shape"] = {str(k): v for k, v in policy.shape.items()}
-    data["timing"] = TIMING_VERSION
-    if getattr(policy, "frees", None) is not None:  # `SourceChoice`: the free source's own
-        data["frees"], data["free_share"] = [_learned(p) for p in policy.frees], policy.free_share
-    return data
-
-
-def _load_learned(policy: AdaptiveK, path: Path, sources: bool = True) -> bool:
-    """Start `policy` from what was kept at `path`; False when nothing usable was there.
-    `sources`: a `SourceChoice` takes only a file written by one (else its own part alone)."""
-    try:
-        _apply_learned(policy, json.loads(path.read_text()), sources)
-        return True
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-
-
-def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
-    frees = getattr(policy, "frees", None) if sources else None
-    if frees is not None and len(data["frees"]) != len(frees):  # (older: both members merged)
-        raise ValueError("not a source choice's")
-    accept, seen = data["accept"], data["seen"]
-    if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
-        return  # another draft limit: start cold
-    # Warm, but worth only a few observations, and never more pessimistic than a cold
-    # start: another process's workload (chat) may differ from this one's (code edits),
-    # and a policy that started parked would rarely look again within one request.
-    carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
-    policy.accept = [[a for a, _ in row] for row in carried]
-    policy.seen = [[n for _, n in row] for row in carried]
-    if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
-        policy.scale = data["scale"]
-        policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
-    if frees is not None:
-        policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
-        for p, learned in zip(frees, data["frees"]):
-            _apply_learned(p, learned)
-
-
-def hand_back(drafter) -> None:
-    """A fork's learned policies become its origin's, so the next fork starts from them."""
-    origin = getattr(drafter, "forked_from", lambda: None)()
-    mine = _POLICIES.get(drafter)
-    if origin is not None and mine:
-        _POLICIES.setdefault(origin, dict).update(mine)

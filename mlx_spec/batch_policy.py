@@ -27,8 +27,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import adaptive, calibration
-from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, TIMING_VERSION, AdaptiveK, policy_for
+from . import calibration, learned
+from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK
+from .learned import TIMING_VERSION, policy_for
 from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .cache import MAX_DRAFT
 from .identity import IdentityMap
@@ -121,7 +122,7 @@ class BatchCosts:
         try:
             data = json.loads(self.path.read_text())
             if data.get("timing") != TIMING_VERSION:
-                return  # timed by an older mlx-spec (`adaptive.TIMING_VERSION`)
+                return  # timed by an older mlx-spec (`learned.TIMING_VERSION`)
             self.ratio = {(int(r), int(w)): _bounded(float(v)) for r, w, v in data["ratio"] if float(v) > 0}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: learned again
@@ -153,7 +154,7 @@ def _costs(model) -> BatchCosts:
     """The model's batch costs, starting from what an earlier process kept (per model, dtype
     and device, next to the adaptive policies)."""
     def make() -> BatchCosts:
-        costs = BatchCosts(adaptive.policy_dir() / f"{model_key(model)}-batch.json")
+        costs = BatchCosts(learned.policy_dir() / f"{model_key(model)}-batch.json")
         costs.load()
         return costs
 

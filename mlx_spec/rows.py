@@ -219,7 +219,7 @@ class Row:
             self.settled = True
             self._keep_learned()
             if self.drafter is not None and hasattr(self.drafter, "forked_from"):
-                from .adaptive import hand_back
+                from .learned import hand_back
 
                 hand_back(self.drafter)
             if self.taps is not None:
@@ -228,7 +228,8 @@ class Row:
 
     def _keep_learned(self) -> None:
         """What an adaptive policy learned outlives the process (unseeded runs only)."""
-        from .adaptive import AdaptiveK, policy_file, save_learned
+        from .adaptive import AdaptiveK
+        from .learned import policy_file, save_learned
 
         if isinstance(self.lengths, AdaptiveK) and self.lengths.timed and self.stats.target_forwards:
             owner = self.policy_owner or self.drafter

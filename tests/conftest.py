@@ -35,9 +35,9 @@ def _private_calibration_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _private_policies(tmp_path, monkeypatch):
     """What one test's adaptive policy learns is not a warm start for the next test."""
-    from mlx_spec import adaptive
+    from mlx_spec import learned
 
-    monkeypatch.setattr(adaptive, "policy_dir", lambda: tmp_path / "policies")
+    monkeypatch.setattr(learned, "policy_dir", lambda: tmp_path / "policies")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import mlx_spec
 import tiny
 from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
                       use_rule, v8_successor_llama, wrong_rule)
-from mlx_spec import adaptive, calibration
+from mlx_spec import adaptive, calibration, learned
 from mlx_spec.adaptive import AdaptiveK, CostModel
 
 
@@ -340,7 +340,7 @@ def auto_runs(monkeypatch, runs, seed0=0):
     a calibrated curve sometimes never let it draft 3). The prior is a warm one (0.6, as a
     policy learned on this pattern would start), not the cautious cold start."""
     monkeypatch.setattr(adaptive, "PRIOR", 0.6)
-    monkeypatch.setattr(adaptive, "verify_seconds",
+    monkeypatch.setattr(learned, "verify_seconds",
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.13 * n) for n in range(n_max)],
                         raising=False)
     if not _auto:
@@ -393,7 +393,7 @@ def test_recurrent_targets_pay_for_replays_so_k_shrinks():
 
 
 def policies(drafter):
-    return dict(adaptive._POLICIES.get(drafter, {}))
+    return dict(learned._POLICIES.get(drafter, {}))
 
 
 def test_what_the_policy_learned_carries_over_to_the_next_call():
@@ -429,10 +429,10 @@ def test_policies_die_with_their_drafter():
     model = tiny.llama_model(seed=4)
     drafter = mlx_spec.NGramDrafter()
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), [5, 6, 5, 6], drafter, max_tokens=5))
-    entries = len(adaptive._POLICIES._entries)
+    entries = len(learned._POLICIES._entries)
     del drafter
     gc.collect()
-    assert len(adaptive._POLICIES._entries) == entries - 1
+    assert len(learned._POLICIES._entries) == entries - 1
 
 
 def test_an_unwritable_calibration_folder_keeps_the_curve_in_memory(tmp_path, monkeypatch):
@@ -481,40 +481,40 @@ def test_a_seeded_auto_run_repeats_exactly_whatever_the_timings(temp, monkeypatc
 
 
 def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
-    monkeypatch.setattr(adaptive, "verify_seconds",  # cheap verifies: it drafts at every step
+    monkeypatch.setattr(learned, "verify_seconds",  # cheap verifies: it drafts at every step
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model = v8_successor_llama()  # continues the prompt's pattern: prompt lookup is accepted
     first = mlx_spec.NGramDrafter(min_n=1, max_n=2)
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), SUCCESSOR_PROMPT, first, max_tokens=120))
-    files = list(adaptive.policy_dir().glob("*NGramDrafter-greedy.json"))
+    files = list(learned.policy_dir().glob("*NGramDrafter-greedy.json"))
     assert len(files) == 1
-    (learned,) = adaptive._POLICIES.get(first).values()
+    (kept,) = learned._POLICIES.get(first).values()
     later = mlx_spec.NGramDrafter(min_n=1, max_n=2)  # another object, as in a new process
-    policy = adaptive.policy_for(model, later, 16, sampling=mlx_spec.Sampling())
-    assert policy is not learned
-    assert policy.accept == [[max(a, adaptive.PRIOR) for a in row] for row in learned.accept]
+    policy = learned.policy_for(model, later, 16, sampling=mlx_spec.Sampling())
+    assert policy is not kept
+    assert policy.accept == [[max(a, adaptive.PRIOR) for a in row] for row in kept.accept]
     assert any(a > adaptive.PRIOR for row in policy.accept for a in row)
-    assert max(map(max, learned.seen)) > adaptive.LOADED_WEIGHT  # it saw more than it carries over
-    assert policy.seen == [[min(n, adaptive.LOADED_WEIGHT) for n in row] for row in learned.seen]
+    assert max(map(max, kept.seen)) > adaptive.LOADED_WEIGHT  # it saw more than it carries over
+    assert policy.seen == [[min(n, adaptive.LOADED_WEIGHT) for n in row] for row in kept.seen]
     assert max(policy.estimates(s)[0] for s in (0, 1)) > adaptive.PRIOR + 0.1
-    sampled = adaptive.policy_for(model, later, 16, sampling=mlx_spec.Sampling(temp=1.0))
+    sampled = learned.policy_for(model, later, 16, sampling=mlx_spec.Sampling(temp=1.0))
     assert sampled.estimates(0)[0] == adaptive.PRIOR  # another sampling mode starts cold
     other = v8_successor_llama(gain=0.5)  # the same architecture, other weights: starts cold
     assert calibration.model_key(other) == calibration.model_key(model)
     fresh = mlx_spec.NGramDrafter(min_n=1, max_n=2)
-    assert adaptive.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
+    assert learned.policy_for(other, fresh, 16, sampling=mlx_spec.Sampling()).estimates(0)[0] == adaptive.PRIOR
 
 
 def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start(monkeypatch):
-    monkeypatch.setattr(adaptive, "verify_seconds",  # pinned: a cold start drafts on this curve
+    monkeypatch.setattr(learned, "verify_seconds",  # pinned: a cold start drafts on this curve
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model = v8_successor_llama()
-    gloomy = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+    gloomy = learned.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
     gloomy.accept = [[0.05] * 16 for _ in gloomy.accept]  # learned on a workload where nothing matched
     gloomy.seen = [[50] * 16 for _ in gloomy.seen]
     drafter = mlx_spec.NGramDrafter()
-    adaptive.save_learned(gloomy, adaptive.policy_file(model, drafter, mlx_spec.Sampling()))
-    loaded = adaptive.policy_for(model, drafter, 16, sampling=mlx_spec.Sampling())
+    learned.save_learned(gloomy, learned.policy_file(model, drafter, mlx_spec.Sampling()))
+    loaded = learned.policy_for(model, drafter, 16, sampling=mlx_spec.Sampling())
     assert loaded.accept == [[adaptive.PRIOR] * 16 for _ in loaded.accept]
     assert loaded.choose()[0] > 0  # drafts from the first step, as a cold start does
 
@@ -522,21 +522,21 @@ def test_a_loaded_policy_is_never_more_pessimistic_than_a_cold_start(monkeypatch
 def test_step_timings_kept_by_an_older_version_are_dropped(monkeypatch):
     """Acceptance carries over; step-time shapes only when timed the way this version times
     steps (older ones timed a plain step with the next step's launch)."""
-    monkeypatch.setattr(adaptive, "verify_seconds",
+    monkeypatch.setattr(learned, "verify_seconds",
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model = v8_successor_llama()
     drafter = mlx_spec.NGramDrafter()
-    path = adaptive.policy_file(model, drafter, mlx_spec.Sampling())
-    old = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+    path = learned.policy_file(model, drafter, mlx_spec.Sampling())
+    old = learned.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
     old.accept = [[0.9] * 16 for _ in old.accept]
     old.scale, old.shape = 1.5, {0: 3.0, 1: 0.5}
-    for timing in (adaptive.TIMING_VERSION, None):
-        adaptive.save_learned(old, path)
+    for timing in (learned.TIMING_VERSION, None):
+        learned.save_learned(old, path)
         if timing is None:  # as an older version wrote it
             data = json.loads(path.read_text())
             del data["timing"]
             path.write_text(json.dumps(data))
-        loaded = adaptive.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
+        loaded = learned.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
         assert loaded.accept == old.accept
         assert (loaded.scale, loaded.shape) == ((1.5, {0: 3.0, 1: 0.5}) if timing else (None, {}))
 

@@ -11,7 +11,8 @@ import pytest
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, batch_policy, calibration
-from mlx_spec.adaptive import AdaptiveK, CostModel, policy_file, policy_for, save_learned
+from mlx_spec.adaptive import AdaptiveK, CostModel
+from mlx_spec.learned import policy_file, policy_for, save_learned
 from mlx_spec.calibration import model_key
 from mlx_spec.rows import Row
 from mlx_spec.taps import SeeThrough, decoder_stack

@@ -12,7 +12,7 @@ import pytest
 
 import mlx_spec
 import tiny
-from mlx_spec import BatchDecoder, adaptive, batch_policy, calibration
+from mlx_spec import BatchDecoder, adaptive, batch_policy, calibration, learned
 from mlx_spec.batch_policy import FixedK
 from mlx_spec.taps import SeeThrough, decoder_stack
 from mlx_spec.drafters.base import EMPTY
@@ -28,7 +28,7 @@ def cost(w: int) -> float:
 
 @pytest.fixture
 def synthetic_costs(monkeypatch, untimed_seeded_rows):
-    monkeypatch.setattr(adaptive, "verify_seconds",
+    monkeypatch.setattr(learned, "verify_seconds",
                         lambda model, n_max=adaptive.N_MAX, recalibrate=False: [cost(n) for n in range(1, n_max + 1)])
     monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [cost(w) for w in batch_policy.WIDE])
 

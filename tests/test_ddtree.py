@@ -190,9 +190,9 @@ def test_recurrent_targets_are_told_apart_from_plain_kv_ones():
 def test_auto_draft_length_with_a_tree_budget_stays_lossless(tmp_path, monkeypatch):
     """`auto` picks the depth (and per step the whole tree or its first branch) while the
     budget fixes the nodes: the same greedy output, and both shapes verified."""
-    from mlx_spec import adaptive
+    from mlx_spec import learned
 
-    monkeypatch.setattr(adaptive, "verify_seconds",
+    monkeypatch.setattr(learned, "verify_seconds",
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.05 * n) for n in range(n_max)])
     model, _ = target("qwen3-echo")
     out, _, _ = make_head(tmp_path, "qwen3-echo", copy=True)

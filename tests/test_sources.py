@@ -8,8 +8,9 @@ import pytest
 
 import mlx_spec
 import tiny
-from mlx_spec import adaptive, calibration
-from mlx_spec.adaptive import AdaptiveK, CostModel, _load_learned, save_learned
+from mlx_spec import calibration, learned
+from mlx_spec.adaptive import AdaptiveK, CostModel
+from mlx_spec.learned import _load_learned, save_learned
 from mlx_spec.calibration import model_key
 from mlx_spec.sources import FREE, PAID, SourceChoice
 from runs import mlx_lm_greedy as reference
@@ -169,7 +170,7 @@ def costs(monkeypatch, tmp_path):
     target = tiny.llama_model(seed=2)
     draft = tiny.llama_model(seed=2, layers=1)  # (another shape: its own calibration key)
     monkeypatch.setattr(calibration, "_CURVES", {model_key(target): VERIFY, model_key(draft): [DRAFT_TOKEN]})
-    monkeypatch.setattr(adaptive, "policy_dir", lambda: tmp_path)
+    monkeypatch.setattr(learned, "policy_dir", lambda: tmp_path)
     return target, draft
 
 
@@ -230,14 +231,14 @@ def test_a_mixed_drafter_without_a_file_of_its_own_starts_from_its_draft_models(
     when the members' drafts were merged (no per-source tables) is not taken."""
     target, draft = costs
     alone = mlx_spec.DraftModelDrafter(draft)
-    learned = adaptive.policy_for(target, alone, 16)
-    learned.accept = [[0.93] * 16 for _ in range(2)]
-    learned.seen = [[9] * 16 for _ in range(2)]
-    save_learned(learned, adaptive.policy_file(target, alone, None))
+    kept = learned.policy_for(target, alone, 16)
+    kept.accept = [[0.93] * 16 for _ in range(2)]
+    kept.seen = [[9] * 16 for _ in range(2)]
+    save_learned(kept, learned.policy_file(target, alone, None))
     mixed = mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(), mlx_spec.DraftModelDrafter(draft))
-    merged = adaptive.policy_file(target, mixed, None)
+    merged = learned.policy_file(target, mixed, None)
     merged.write_text('{"accept": [[0.5, 0.5], [0.5, 0.5]], "seen": [[1, 1], [1, 1]]}')
-    policy = adaptive.policy_for(target, mixed, 16)
+    policy = learned.policy_for(target, mixed, 16)
     assert isinstance(policy, SourceChoice)
     assert policy.accept[0][0] == pytest.approx(0.93) and policy.frees[0].accept[0][0] == pytest.approx(0.4)
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import KVCache
 
 import lossless as L
 import mlx_spec
-from mlx_spec import adaptive
+from mlx_spec import learned
 import tiny
 from mlx_spec import tree
 from mlx_spec.drafters.base import Draft
@@ -153,7 +153,7 @@ def test_auto_verifies_trees_only_where_they_pay(drafter, trees_pay, monkeypatch
     """auto picks per step between the whole tree and its first branch by tokens per
     predicted second: trees where the target's token is often the second child, chains
     (cheaper, as good) where it is always the first; the other shape is still tried."""
-    monkeypatch.setattr(adaptive, "verify_seconds",
+    monkeypatch.setattr(learned, "verify_seconds",
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.1 * n) for n in range(n_max)])
     model = tiny.llama_model(seed=2)
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter(model, PROMPT, 60),
@@ -183,7 +183,7 @@ def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
     """auto also verifies a tree's first half or quarter of nodes: with cheap wide verifies the
     deep tree is verified whole; where verifying more than 4 rows is dear, its first half."""
     steep = 0.0 if wide == "cheap" else 1.0
-    monkeypatch.setattr(adaptive, "verify_seconds", lambda model, n_max=17, recalibrate=False:
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=17, recalibrate=False:
                         [1e-3 * (1 + 0.05 * n + steep * max(n - 4, 0)) for n in range(n_max)])
     picks = []
 
