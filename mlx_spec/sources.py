@@ -14,10 +14,13 @@ member left out is still told what the target kept (a draft model queues it and
 reads it with its next proposal).
 
 The paid policy's two tables are kept as a draft model's own are (after a step that kept
-its first draft token, and otherwise), except that a step after one of the free source's
-counts as a fresh start: lookup drafts until the copy ends, where the model's next token
-is hardest, and taught to the table of runs those steps would make the model look poor
-within a run, also on chat and JSON, where it drafts alone.
+its first draft token, and otherwise), except that a step after a free step that kept
+tokens counts as a fresh start: lookup drafts until the copy ends, where the model's next
+token is hardest, and taught to the table of runs those steps would make the model look
+poor within a run, also on chat and JSON, where it drafts alone. A free draft lost at its
+first token says nothing about the model: its state stays that of its own last step (else
+on JSON, where short lookups are often wrong, each one would leave the model drafting from
+its cautious table, where lookup wins again).
 
 The free source is scored on the steps it does not win too: its draft, compared
 with the tokens the target went on to emit, shows how much of it would have been
@@ -126,8 +129,6 @@ class SourceChoice(AdaptiveK):
 
     def _pick(self, drafter, source: str, k: int, gain: float) -> tuple[int, float]:
         self.source = drafter.only = source
-        if source == FREE:  # the model's next step starts afresh (module docstring)
-            self.state = 0
         self.picks[source] += k > 0
         self.free_share += EMA * ((source == FREE) - self.free_share)
         self.here = (self.here[0] + (source == FREE), self.here[1] + 1)
@@ -158,6 +159,8 @@ class SourceChoice(AdaptiveK):
             row.drafter.only = None  # (a step cut to k = 0 never asked the drafter)
         if source == FREE:
             self.free.observe(proposed, accepted, seconds, plain_by_choice)
+            if accepted:  # a copy ran, then ended: the model's next step starts afresh
+                self.state = 0
         else:
             super().observe(proposed, accepted, seconds, plain_by_choice)
 

@@ -124,6 +124,27 @@ def test_after_a_free_step_the_model_starts_afresh_not_within_a_run():
     del row
 
 
+def test_after_a_free_draft_lost_at_its_first_token_the_model_keeps_its_own_state():
+    """A short lookup that was wrong at once (JSON's, often) says nothing about the draft
+    model: its next step is weighed, and taught, in the state of its own last step. Under the
+    fresh-start rule for every free step, each wrong lookup left the model on its cautious
+    table, where lookup won again."""
+    policy, drafter = policy_with(0.95, 0.8), Lookup([1, 2, 3], [4, 5])
+    row = serve(policy, drafter)
+    policy.state = 1  # the model's last draft was kept
+    k, _ = policy.choose()
+    assert policy.source == FREE
+    policy.observe(k, 0, None)  # the lookup's first token was wrong
+    drafter.tokens, drafter.ahead, row.y = drafter.tokens + [5], [], 6  # nothing to look up now
+    assert policy.state == 1
+    before = [row_[:] for row_ in policy.accept]
+    k, _ = policy.choose()
+    assert policy.source == PAID and k > 0
+    policy.observe(k, k, None)  # the model's draft, all kept: taught to the table of runs
+    assert policy.accept[0] == before[0] and policy.accept[1][0] > before[1][0]
+    del row
+
+
 def test_a_free_draft_that_lost_is_scored_against_the_tokens_the_target_emitted():
     """Known up to the emitted tokens: kept while it matches, the first mismatch rejected,
     positions beyond the emitted tokens not observed at all."""
