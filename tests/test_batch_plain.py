@@ -75,10 +75,10 @@ def test_a_parked_single_row_pipelines_its_plain_steps_and_still_probes(monkeypa
         def propose(self, y, k, sampling):
             return Draft(mx.full((k,), bad, mx.uint32))
 
-    from mlx_spec import adaptive
+    from mlx_spec import calibration, learned
 
     # a cost curve where each drafted token costs a tenth of a step (not this run's calibration)
-    monkeypatch.setattr(adaptive, "verify_seconds", lambda model, n_max=adaptive.N_MAX, recalibrate=False:
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=calibration.N_MAX, recalibrate=False:
                         [0.01 * (1 + 0.1 * n) for n in range(n_max)])
     verifies, landed = [], []
     real_verify, real_land = verify.verify, batch_plain.land
