@@ -47,6 +47,7 @@ from .calibration import N_MAX
 log = logging.getLogger("mlx_spec")
 
 LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as
+
 # Acceptance assumed before observing, worth 2 observations. Cautious: a cold start drafts
 # short until acceptance proves itself; what a policy learned is kept on disk, so only the
 # first run of a model, drafter kind and sampling mode starts cold.

@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING
 
 from . import calibration, learned
 from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK
-from .learned import TIMING_VERSION, policy_for
-from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .cache import MAX_DRAFT
+from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .identity import IdentityMap
+from .learned import TIMING_VERSION, policy_for
 
 if TYPE_CHECKING:
     from .rows import Row
