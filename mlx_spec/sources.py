@@ -33,9 +33,13 @@ draft token is kept with the target's probability of it, which is also the chanc
 that the (exactly distributed) emitted token equals it.
 
 A draft model that has not read the request's prompt yet (it reads it when it first
-drafts) is not asked while the free source has a draft worth verifying: a free step
-costs about what a plain one does, while the read costs a forward of the draft
-model over the whole prompt, more than a short code edit gains from it. At the
+drafts) is not asked while the free source has a draft from a match of 4 tokens or
+more (a copy under way): a free step costs about what a plain one does, while the
+read costs a forward of the draft model over the whole prompt, more than a short code
+edit gains from it. A shorter match is weighed as on any step: at a request's first
+steps it is mostly the answer's opening tokens matched by chance (a code edit opens
+with a sentence, then the fence), and a lookup that loses there costs a step the draft
+model would mostly have kept, while the read it saved comes a step later anyway. At the
 first step the free source has nothing, the read is weighed against plain decoding
 (`Row.drafting_pays`), at the gain the paid source adds on the share of steps the
 free one leaves it in this request so far (hopeful: the running share over earlier
@@ -105,7 +109,8 @@ class SourceChoice(AdaptiveK):
         k, gain = super().choose()
         if ahead:
             k_free, gain_free = self.free.choose(len(ahead))
-            if k_free and (gain_free >= gain or not drafter.read and drafter.backlog >= CATCH_UP_MIN):
+            unread = not drafter.read and drafter.backlog >= CATCH_UP_MIN
+            if k_free and (gain_free >= gain or unread and matched >= MATCHED[0]):
                 return self._pick(drafter, FREE, k_free, gain_free)
             self.guess = (len(context) + 1, ahead, self.free)  # scored against the target's next tokens
         return self._pick(drafter, PAID, k, self._left(gain))

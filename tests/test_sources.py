@@ -230,14 +230,19 @@ def test_mixed_rows_in_a_batch_merge_both_sources_and_stay_lossless(costs):
 
 def test_a_draft_model_that_has_not_read_the_prompt_waits_while_lookup_has_a_draft():
     """A lookup step costs about a plain one; reading a long prompt into the draft model
-    costs a forward over all of it: the read waits for a step lookup has nothing for."""
+    costs a forward over all of it: while lookup copies (a match of 4 or more), the read waits
+    for a step lookup has nothing for."""
     policy, drafter = policy_with(0.5, 0.99), Lookup([1, 2, 3], [9, 8, 7, 6])
     row = serve(policy, drafter)
     assert policy.choose()[0] > 0 and policy.source == PAID  # read: the better source drafts
     policy.observe(0, 0, None)
-    drafter.read, drafter.backlog = False, 300  # the prompt, not read yet
-    assert policy.choose()[0] > 0 and policy.source == FREE
+    drafter.read, drafter.backlog, drafter.matched = False, 300, 4  # the prompt, not read yet
+    assert policy.choose()[0] > 0 and policy.source == FREE  # a copy under way: no read yet
     policy.observe(0, 0, None)
+    drafter.matched = 2  # a short match (an answer's opening words): weighed as on any step
+    assert policy.choose()[0] > 0 and policy.source == PAID
+    policy.observe(0, 0, None)
+    drafter.matched = 4
     drafter.backlog = 20  # a few tokens: read with the next proposal
     assert policy.choose()[0] > 0 and policy.source == PAID
     policy.observe(0, 0, None)
