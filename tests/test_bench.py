@@ -41,6 +41,7 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     assert rc == 0
     stdout = capsys.readouterr().out
     assert "| method |" in stdout and "### Per method and suite" in stdout
+    assert "| whole request |" in stdout and "–x" not in stdout
     assert "Published claims" in stdout
     result = json.loads((out / "results.json").read_text())
     for key in ("schema", "command", "config", "hardware", "hardware_line", "verify_cost",
@@ -178,8 +179,10 @@ def test_speedups_are_paired_per_prompt_then_pooled():
         _rec("x", "b", "p3", 10.0, forwards=4, drafted=8, accepted=6,
              pos_drafted=[4, 4], pos_accepted=[4, 2]),
     ]
+    records[3]["e2e_tps"] = 10.0  # p2's whole request: half the baseline's (e.g. a late prompt read)
     s = summary.summarize(records, "baseline")
     assert s["x"]["a"]["speedup"] == pytest.approx(1.25)  # median of 1.5 and 1.0
+    assert s["x"]["a"]["e2e_speedup"] == pytest.approx(1.0)  # median of 1.5 and 0.5, paired too
     assert s["x"]["a"]["speedup_spread"] == (1.0, 1.5)
     assert s["x"]["a"]["decode_tps"] == pytest.approx(17.5)
     assert s["x"]["all"]["speedup"] == pytest.approx(1.5)  # median of 1.5, 1.0, 2.0

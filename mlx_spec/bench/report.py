@@ -20,6 +20,10 @@ def _f(x, fmt: str = ".2f", none: str = "–") -> str:
     return none if x is None else format(x, fmt)
 
 
+def _x(ratio: float | None) -> str:
+    return "–" if ratio is None else f"{ratio:.2f}x"
+
+
 def _sp(m: dict) -> str:
     s, lo_hi = m.get("speedup"), m.get("speedup_spread")
     if s is None:
@@ -51,9 +55,9 @@ def markdown(result: dict) -> str:
     for label, per in summary.items():
         lines.append(f"| {label} | " + " | ".join(_sp(per.get(s, {})) for s in [*suites, ALL]) + " |")
     lines += ["", "### Per method and suite", "",
-              "| suite | method | decode tok/s | speed-up | tau | acceptance | accepted by position | "
-              "prompt tok/s | peak GB | identical |",
-              "|---|---|---:|---:|---:|---:|---|---:|---:|---|"]
+              "| suite | method | decode tok/s | speed-up | whole request | tau | acceptance | "
+              "accepted by position | prompt tok/s | peak GB | identical |",
+              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---|"]
     for s in [*suites, ALL]:
         for label, per in summary.items():
             m = per.get(s)
@@ -61,7 +65,8 @@ def markdown(result: dict) -> str:
                 continue
             ident = result["identical"].get(label) if s == ALL else None
             lines.append(
-                f"| {s} | {label} | {_f(m['decode_tps'])} | {_sp(m)} | {_f(m['tau'])} | "
+                f"| {s} | {label} | {_f(m['decode_tps'])} | {_sp(m)} | {_x(m.get('e2e_speedup'))} | "
+                f"{_f(m['tau'])} | "
                 f"{_f(m['acceptance_rate'], '.1%')} | {_positions(m['accepted_per_position'])} | "
                 f"{_f(m['prompt_tps'], '.1f')} | {_f(m['peak_memory_gb'])} | "
                 f"{_identical(ident, greedy) if s == ALL else ''} |")

@@ -46,12 +46,15 @@ def _key(rec: dict) -> tuple:
     return rec["suite"], rec["prompt"], rec["repeat"]
 
 
-def paired_speedups(records: list[dict], baseline: str) -> dict[str, list[tuple[str, float]]]:
-    """method -> [(suite, decode_tps / baseline's decode_tps on the same prompt and round)]."""
-    base = {_key(r): r["decode_tps"] for r in records if r["method"] == baseline}
+def paired_speedups(records: list[dict], baseline: str,
+                    field: str = "decode_tps") -> dict[str, list[tuple[str, float]]]:
+    """method -> [(suite, `field` / the baseline's on the same prompt and round)]. `field`:
+    "decode_tps" (after the first step) or "e2e_tps" (the whole request, prefill and any
+    drafter's prompt read included, wherever the method does it)."""
+    base = {_key(r): r.get(field) for r in records if r["method"] == baseline}
     out: dict[str, list[tuple[str, float]]] = defaultdict(list)
     for r in records:
-        s = ratio(r["decode_tps"], base.get(_key(r)))
+        s = ratio(r.get(field), base.get(_key(r)))
         if s is not None:
             out[r["method"]].append((r["suite"], s))
     return out
@@ -77,7 +80,7 @@ def check_identical(records: list[dict], baseline: str) -> dict[str, dict]:
     return out
 
 
-def _pool(rows: list[dict], speedups: list[float]) -> dict:
+def _pool(rows: list[dict], speedups: list[float], whole: list[float]) -> dict:
     """The metrics of one method on one suite (or on all of them)."""
     drafted = sum(r["drafted"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
@@ -96,6 +99,7 @@ def _pool(rows: list[dict], speedups: list[float]) -> dict:
         "accepted_per_position": [a / d for a, d in zip(pos_a, pos_d)],
         "prompt_tps": median([r["prompt_tps"] for r in rows]),
         "e2e_tps": median([r["e2e_tps"] for r in rows]),
+        "e2e_speedup": median(whole),
         "peak_memory_gb": max((r["peak_memory_gb"] for r in rows), default=None),
     }
 
@@ -103,6 +107,7 @@ def _pool(rows: list[dict], speedups: list[float]) -> dict:
 def summarize(records: list[dict], baseline: str) -> dict[str, dict[str, dict]]:
     """method -> suite (and "all") -> metrics; methods and suites in first-seen order."""
     speedups = paired_speedups(records, baseline)
+    whole = paired_speedups(records, baseline, "e2e_tps")
     methods = list(dict.fromkeys(r["method"] for r in records))
     suites = list(dict.fromkeys(r["suite"] for r in records))
     out: dict[str, dict[str, dict]] = {}
@@ -111,8 +116,9 @@ def summarize(records: list[dict], baseline: str) -> dict[str, dict[str, dict]]:
         for s in [*suites, ALL]:
             rows = [r for r in records if r["method"] == m and s in (ALL, r["suite"])]
             sp = [x for suite, x in speedups.get(m, []) if s in (ALL, suite)]
+            e2e = [x for suite, x in whole.get(m, []) if s in (ALL, suite)]
             if rows:
-                out[m][s] = _pool(rows, sp)
+                out[m][s] = _pool(rows, sp, e2e)
     return out
 
 
