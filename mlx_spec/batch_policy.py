@@ -371,8 +371,10 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
 
 def _without_backlog(model, row: Row):
     """The policy of a row whose drafter's read of its backlog does not pay: a mixed drafter
-    goes on with the member that has nothing to read (n-gram), under that member's own
-    policy; any other row decodes plainly to the end."""
+    goes on with the member that has nothing to read (n-gram), under the tables the mixed
+    policy keeps for it (`SourceChoice.shed`: they learned from every step it had a match
+    for, where the member's own policy may have learned nothing), or else under that
+    member's own policy; any other row decodes plainly to the end."""
     what = (f"request {row.uid}: reading {row.drafter.backlog} tokens into the draft model costs more "
             f"than drafting can save in the {row.req.max_tokens - len(row.out)} tokens left")
     rest = getattr(row.drafter, "shed", lambda: None)()
@@ -381,6 +383,9 @@ def _without_backlog(model, row: Row):
         row.stats.plain_reason = "backlog"
         return FixedK(0)
     log.info("%s; it drafts with %s alone", what, type(rest).__name__)
+    if hasattr(row.lengths, "shed"):  # a mixed drafter's own policy: its tables for lookup go on
+        row.lengths.shed()
+        return row.lengths
     row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)
     return policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,
                       sampling=row.req.sampling, seeded=row.req.repeatable)
