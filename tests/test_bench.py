@@ -214,6 +214,19 @@ def test_targets_on_literal_summary():
     assert t["draft model vs mlx-lm's speculative decoding"]["met"]
     assert t["n-gram on code-edit"]["met"]
     assert not t["n-gram on chat"]["met"]  # one chat prompt fell to 0.9x
+    assert "mixed@auto on every suite vs the better of ngram@auto and draft@auto" not in t  # not run
+
+    s.update({"mixed@auto": {"all": m(1.6), "code-edit": m(2.0), "chat": m(1.2)},
+              "ngram@auto": {"all": m(1.1), "code-edit": m(2.2), "chat": m(1.0)},
+              "draft@auto": {"all": m(1.5), "code-edit": m(1.5), "chat": m(1.2)}})
+    t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
+    vs_mlx_lm = t["mixed@auto (the CLI's default with a draft model) vs mlx-lm's speculative decoding at its best k"]
+    assert vs_mlx_lm["value"] == pytest.approx(1.6 / 1.2) and vs_mlx_lm["met"]
+    every = t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]
+    assert not every["met"] and every["value"] == "1/2 suites" and every["detail"] == "behind on code-edit"
+    s["mixed@auto"]["code-edit"] = m(2.2)  # level with lookup alone: enough
+    t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
+    assert t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]["met"]
 
 
 # --- hardware -----------------------------------------------------------------

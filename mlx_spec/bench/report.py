@@ -94,7 +94,7 @@ def _target_lines(targets: list[dict]) -> list[str]:
     out = ["", "### Targets", "", "| target | goal | measured | met |", "|---|---|---|---|"]
     for t in targets:
         v = t["value"]
-        shown = f"{v:.2f}x" if isinstance(v, float) else str(v)
+        shown = f"{v:.3f}x" if isinstance(v, float) else str(v)  # (1.145x is not 1.15x)
         out.append(f"| {t['name']} | {t['target']} | {shown} ({t['detail']}) | "
                    f"{'yes' if t['met'] else 'NO'} |")
     return out
