@@ -146,7 +146,8 @@ def _mixed_targets(summary: dict, theirs: str | None) -> list[dict]:
         r = ratio(a, b)
         out.append(_target("mixed@auto (the CLI's default with a draft model) vs mlx-lm's speculative "
                            "decoding at its best k", ">= 1.25x", r, r is not None and r >= 1.25,
-                           f"mixed@auto {a:.2f}x vs {theirs} {b:.2f}x over baseline"))
+                           f"mixed@auto {a:.2f}x vs {theirs} {b:.2f}x over baseline" if r is not None
+                           else "no data"))
     members = [summary[m] for m in ("ngram@auto", "draft@auto") if m in summary]
     if len(members) == 2:
         suites = [x for x in mixed if x != ALL]
