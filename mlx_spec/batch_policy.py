@@ -365,16 +365,18 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
                                     else (k, gain) for row, (k, gain) in zip(rows, choices)])
     for row, (k, _) in zip(rows, choices):
         if k < 0:
-            row.lengths = _without_backlog(model, row)
+            row.lengths = _without_backlog(model, row, alone=len(rows) == 1)
     return [(max(k, 0), gain) for k, gain in choices]
 
 
-def _without_backlog(model, row: Row):
+def _without_backlog(model, row: Row, alone: bool = True):
     """The policy of a row whose drafter's read of its backlog does not pay: a mixed drafter
     goes on with the member that has nothing to read (n-gram), under the tables the mixed
-    policy keeps for it (`SourceChoice.shed`: they learned from every step it had a match
-    for, where the member's own policy may have learned nothing), or else under that
-    member's own policy; any other row decodes plainly to the end."""
+    policy keeps for it when the row decodes alone (`SourceChoice.shed`: they learned from
+    every step it had a match for, where the member's own policy may have learned nothing;
+    in a batch, where lengths are priced from a policy's own tables and costs, a mixed
+    policy's would charge the draft model), or else under that member's own policy; any
+    other row decodes plainly to the end."""
     what = (f"request {row.uid}: reading {row.drafter.backlog} tokens into the draft model costs more "
             f"than drafting can save in the {row.req.max_tokens - len(row.out)} tokens left")
     rest = getattr(row.drafter, "shed", lambda: None)()
@@ -383,7 +385,7 @@ def _without_backlog(model, row: Row):
         row.stats.plain_reason = "backlog"
         return FixedK(0)
     log.info("%s; it drafts with %s alone", what, type(rest).__name__)
-    if hasattr(row.lengths, "shed"):  # a mixed drafter's own policy: its tables for lookup go on
+    if alone and hasattr(row.lengths, "shed"):  # a mixed drafter's own policy: its tables for lookup go on
         row.lengths.shed()
         return row.lengths
     row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)

@@ -46,7 +46,8 @@ free one leaves it in this request so far (hopeful: the running share over earli
 requests, which may have been code edits, would shut the draft model out of a JSON
 answer it drafts well). A code edit that lookup has been copying does not pay for the
 read at its first miss; it goes on with lookup alone, still weighed by this policy's
-tables for lookup (`shed`), which learned from every step this drafter had a match for.
+tables for lookup (`shed`; a request decoding alone), which learned from every step this
+drafter had a match for.
 
 In a batch the rows' lengths are chosen together from the paid source's policy
 (`mlx_spec.batch_policy`), and the drafter merges both sources' drafts into one

@@ -322,6 +322,8 @@ def test_a_request_whose_read_does_not_pay_goes_on_with_lookup_under_the_mixed_t
     row = serve(policy, drafter)
     row.__dict__.update(lengths=policy, uid=0, out=[], stats=SimpleNamespace(plain_reason=None),
                req=SimpleNamespace(max_tokens=40, sampling=None, repeatable=False))
+    in_batch = batch_policy._without_backlog(target, row, alone=False)  # priced from its own costs
+    assert in_batch is not policy and not policy.paid_off and in_batch.costs.draft_per_token == 0.0
     assert batch_policy._without_backlog(target, row) is policy and policy.paid_off
     k, _ = policy.choose()
     assert policy.source == FREE and k == 8  # the copy's table: 0.95 a token
