@@ -372,11 +372,12 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
 def _without_backlog(model, row: Row, alone: bool = True):
     """The policy of a row whose drafter's read of its backlog does not pay: a mixed drafter
     goes on with the member that has nothing to read (n-gram), under the tables the mixed
-    policy keeps for it when the row decodes alone (`SourceChoice.shed`: they learned from
+    policy keeps for it when the row decodes alone (`SourceChoice`'s `frees`: they learned from
     every step it had a match for, where the member's own policy may have learned nothing;
     in a batch, where lengths are priced from a policy's own tables and costs, a mixed
     policy's would charge the draft model), or else under that member's own policy; any
-    other row decodes plainly to the end."""
+    other row decodes plainly to the end. (A mixed policy sees the shed member in
+    `MixedDrafter.paid_off`.)"""
     what = (f"request {row.uid}: reading {row.drafter.backlog} tokens into the draft model costs more "
             f"than drafting can save in the {row.req.max_tokens - len(row.out)} tokens left")
     rest = getattr(row.drafter, "shed", lambda: None)()
@@ -385,8 +386,7 @@ def _without_backlog(model, row: Row, alone: bool = True):
         row.stats.plain_reason = "backlog"
         return FixedK(0)
     log.info("%s; it drafts with %s alone", what, type(rest).__name__)
-    if alone and hasattr(row.lengths, "shed"):  # a mixed drafter's own policy: its tables for lookup go on
-        row.lengths.shed()
+    if alone and getattr(row.lengths, "frees", None) is not None:  # `SourceChoice`: lookup's tables
         return row.lengths
     row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)
     return policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,

@@ -45,9 +45,9 @@ first step the free source has nothing, the read is weighed against plain decodi
 free one leaves it in this request so far (hopeful: the running share over earlier
 requests, which may have been code edits, would shut the draft model out of a JSON
 answer it drafts well). A code edit that lookup has been copying does not pay for the
-read at its first miss; it goes on with lookup alone, still weighed by this policy's
-tables for lookup (`shed`; a request decoding alone), which learned from every step this
-drafter had a match for.
+read at its first miss; it goes on with lookup alone (`MixedDrafter.shed`), still
+weighed by this policy's tables for lookup when it decodes alone, which learned from
+every step this drafter had a match for.
 
 In a batch the rows' lengths are chosen together from the paid source's policy
 (`mlx_spec.batch_policy`), and the drafter merges both sources' drafts into one
@@ -81,7 +81,6 @@ class SourceChoice(AdaptiveK):
     picks: dict = None  # steps each source drafted alone, over the policy's life
     free_share: float = 0.0  # running share of steps the free source drafts
     here: tuple[int, int] = (0, 0)  # this request's steps the free source drafted, and all its steps
-    paid_off: bool = False  # this request's read does not pay: the free source alone (`shed`)
 
     def __post_init__(self):
         super().__post_init__()
@@ -94,13 +93,6 @@ class SourceChoice(AdaptiveK):
     def serve(self, row) -> None:
         """From now on this policy chooses for `row` (a new request: nothing pending)."""
         self.row, self.guess, self.source, self.here = weakref.ref(row), None, None, (0, 0)
-        self.paid_off = False
-
-    def shed(self) -> None:
-        """The paid source is off for the rest of this request (its read does not pay,
-        `Row.drafting_pays`): lookup drafts where it has a match, weighed by the tables it
-        learned in this drafter (per match class), and steps without one are plain."""
-        self.paid_off = True
 
     def start_request(self) -> None:
         super().start_request()
@@ -116,7 +108,7 @@ class SourceChoice(AdaptiveK):
         self._score(context, row.y)
         ahead, matched = drafter.peek(row.y, self.k_max)
         self.free = self.frees[bisect.bisect_right(MATCHED, matched)]
-        if self.paid_off:
+        if drafter.paid_off:  # its read does not pay (`Row.drafting_pays`): lookup, else plain
             k_free, gain_free = self.free.choose(len(ahead)) if ahead else (0, 1.0)
             return self._pick(drafter, FREE, k_free, gain_free)
         k, gain = super().choose()
@@ -184,5 +176,7 @@ class SourceChoice(AdaptiveK):
 
     def parked_next(self) -> bool:
         """Plain next only if neither source would draft (the free one, whatever its match)."""
-        return (self.paid_off or super().parked_next()) and all(
+        row = self.row() if self.row is not None else None
+        paid_off = row is not None and row.drafter.paid_off
+        return (paid_off or super().parked_next()) and all(
             max(range(self.k_max + 1), key=p.rates().__getitem__) == 0 for p in self.frees)

@@ -25,6 +25,7 @@ class Lookup:
     def __init__(self, context, ahead, matched=2):
         self.tokens, self.ahead, self.only, self.matched = list(context), list(ahead), None, matched
         self.read, self.backlog = True, 0  # a draft model that has read the prompt
+        self.paid_off = False  # (`MixedDrafter.shed` not called)
 
     def context(self):
         return self.tokens
@@ -318,18 +319,24 @@ def test_a_request_whose_read_does_not_pay_goes_on_with_lookup_under_the_mixed_t
     target, _ = costs
     policy, drafter = policy_with(0.95, 0.9), Lookup([1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2])
     drafter.backlog, drafter.read = 300, False
-    drafter.shed = lambda: mlx_spec.NGramDrafter()  # the member left proposing
+    def shed():  # as `MixedDrafter.shed`: only the member with nothing to read proposes
+        drafter.paid_off = True
+        return mlx_spec.NGramDrafter()
+
+    drafter.shed = shed
     row = serve(policy, drafter)
     row.__dict__.update(lengths=policy, uid=0, out=[], stats=SimpleNamespace(plain_reason=None),
                req=SimpleNamespace(max_tokens=40, sampling=None, repeatable=False))
     in_batch = batch_policy._without_backlog(target, row, alone=False)  # priced from its own costs
-    assert in_batch is not policy and not policy.paid_off and in_batch.costs.draft_per_token == 0.0
-    assert batch_policy._without_backlog(target, row) is policy and policy.paid_off
+    assert in_batch is not policy and in_batch.costs.draft_per_token == 0.0
+    drafter.paid_off = False
+    assert batch_policy._without_backlog(target, row) is policy and drafter.paid_off
     k, _ = policy.choose()
     assert policy.source == FREE and k == 8  # the copy's table: 0.95 a token
     policy.observe(k, k, None)
     drafter.ahead = []
     assert policy.choose() == (0, 1.0) and policy.source == FREE  # no match: a plain step
     policy.observe(0, 0, None)
-    policy.serve(row)  # the next request weighs the draft model again
+    drafter.paid_off = False  # the next request (`MixedDrafter.bind`: every member proposes)
+    policy.serve(row)  # weighs the draft model again
     assert policy.choose()[0] > 0 and policy.source == PAID

@@ -59,6 +59,11 @@ class MixedDrafter:
         return sum(getattr(d, "backlog", 0) for d in self.proposing)
 
     @property
+    def paid_off(self) -> bool:
+        """Whether `shed` left this request only the members with nothing to read."""
+        return len(self.proposing) < len(self.drafters)
+
+    @property
     def free_member(self):
         """The first member that drafts without a model or the target's features (prompt
         lookup), when another one does: the source `mlx_spec.sources` weighs against the rest."""
@@ -109,7 +114,7 @@ class MixedDrafter:
 
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         members, (only, self.only) = self.proposing, (self.only, None)
-        if only is not None and len(members) == len(self.drafters):  # (none shed)
+        if only is not None and not self.paid_off:
             free = self.free_member
             members = [free] if only == "free" else [d for d in members if d is not free]
         self.read = self.read or any(getattr(d, "backlog", None) is not None for d in members)
