@@ -43,9 +43,10 @@ def test_bench_end_to_end_on_tiny_models(tiny_models, tmp_path, capsys):
     assert "| method |" in stdout and "### Per method and suite" in stdout
     assert "| whole request |" in stdout and "–x" not in stdout
     assert "Published claims" in stdout
+    assert "### Head to head" in stdout and "| draft@3 vs mlx-lm-draft@" in stdout
     result = json.loads((out / "results.json").read_text())
     for key in ("schema", "command", "config", "hardware", "hardware_line", "verify_cost",
-                "summary", "identical", "targets", "skipped", "runs"):
+                "summary", "identical", "head_to_head", "targets", "skipped", "runs"):
         assert key in result, key
     assert result["config"]["suites"] == suites.suite_names()
     assert result["config"]["methods"] == ["baseline", "mlx-spec", "mlx-lm-draft@2",
@@ -115,6 +116,21 @@ def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys)
               "--out", str(out), "--max-tokens", "4", "--cost-repeats", "0"])
     first = capsys.readouterr().out
     assert cli.main(["bench", "--load", str(out / "results.json")]) == 0
+    assert capsys.readouterr().out == first
+
+
+def test_load_adds_the_head_to_head_to_results_saved_before_it(tiny_models, tmp_path, capsys):
+    out = tmp_path / "run"
+    cli.main(["bench", "--model", "target", "--draft-model", "draft", "--methods",
+              "baseline,draft,mlx-lm-draft", "--suites", "chat", "--num-draft-tokens", "2",
+              "--out", str(out), "--max-tokens", "4", "--cost-repeats", "0"])
+    first = capsys.readouterr().out
+    assert "### Head to head" in first and "| draft@2 vs mlx-lm-draft@2 |" in first
+    saved = json.loads((out / "results.json").read_text())
+    old = {k: v for k, v in saved.items() if k != "head_to_head"}  # as an older mlx-spec wrote it
+    old["targets"] = summary.evaluate_targets(saved["summary"], saved["identical"], greedy=True)
+    (out / "old.json").write_text(json.dumps(old))
+    assert cli.main(["bench", "--load", str(out / "old.json")]) == 0
     assert capsys.readouterr().out == first
 
 
@@ -193,6 +209,36 @@ def test_speedups_are_paired_per_prompt_then_pooled():
                                  "y@9": {"all": {"speedup": 5.0}}}, "x") == "x@4"
 
 
+def test_head_to_head_pairs_two_methods_on_the_same_prompt_and_gives_an_honest_interval():
+    def runs(method, suite, speeds):
+        return [_rec(method, suite, f"{suite}{i}", x) for i, x in enumerate(speeds)]
+
+    # b is the same on every prompt; a's ratio to it is 1.2-1.3 on "fast", 0.8-0.9 on
+    # "slow", and 0.9-1.1 on "mixed" (one prompt each side of level).
+    b = [10.0] * 5
+    records = (runs("b", "fast", b[:4]) + runs("a", "fast", [12.0, 13.0, 12.5, 12.2])
+               + runs("b", "slow", b[:3]) + runs("a", "slow", [8.0, 9.0, 8.5])
+               + runs("b", "mixed", b) + runs("a", "mixed", [9.0, 11.0, 10.0, 9.5, 10.5]))
+    records.append(_rec("a", "fast", "unpaired", 99.0))  # no b run on that prompt: left out
+    assert sorted(x for s, x in summary.paired_between(records, "a", "b") if s == "slow") == \
+        pytest.approx([0.8, 0.85, 0.9])
+    (h,) = summary.head_to_head(records, [("a", "b"), ("a", "missing")], ["fast", "slow", "mixed"])
+    assert (h["a"], h["b"]) == ("a", "b")
+    fast, slow, mixed, pooled = (h["suites"][s] for s in ("fast", "slow", "mixed", summary.ALL))
+    assert fast["pairs"] == 4 and fast["ratio"] == pytest.approx(1.235) and fast["verdict"] == "ahead"
+    assert slow["ratio"] == pytest.approx(0.85) and slow["verdict"] == "behind"
+    assert mixed["ratio"] == pytest.approx(1.0) and mixed["verdict"] == "level within noise"
+    assert pooled["pairs"] == 12
+    for c in (fast, slow, mixed, pooled):  # the interval holds the median, inside the data
+        lo, hi = c["interval"]
+        assert lo <= c["ratio"] <= hi
+    assert 0.8 <= slow["interval"][0] < slow["interval"][1] <= 0.9
+    assert mixed["interval"][0] < 1 < mixed["interval"][1]
+    # Seeded: the same records always give the same interval; one value gives a point.
+    assert summary.median_interval([0.9, 1.1, 1.0, 0.95]) == summary.median_interval([0.9, 1.1, 1.0, 0.95])
+    assert summary.median_interval([1.3]) == (1.3, 1.3) and summary.median_interval([]) is None
+
+
 def test_steps_rebuilt_from_mlx_lm_flags():
     # k=3, max 9: [T T F] [F] [T T T F] then a block cut short by max_tokens: [T]
     flags = [True, True, False, False, True, True, True, False, True]
@@ -224,6 +270,18 @@ def test_targets_on_literal_summary():
     assert vs_mlx_lm["value"] == pytest.approx(1.6 / 1.2) and vs_mlx_lm["met"]
     every = t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]
     assert not every["met"] and every["value"] == "1/2 suites" and every["detail"] == "behind on code-edit"
+    # With the paired comparison, the detail says whether a shortfall is beyond the noise.
+    h2h = [{"a": "mixed@auto", "b": "ngram@auto",
+            "suites": {"code-edit": {"ratio": 0.93, "interval": (0.85, 1.04), "verdict": "level within noise"}}},
+           {"a": "mixed@auto", "b": "mlx-lm-draft@2",
+            "suites": {"all": {"ratio": 1.31, "interval": (1.2, 1.4), "verdict": "ahead"}}}]
+    t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False, h2h=h2h)}
+    every = t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]
+    assert not every["met"]  # judged on the medians still
+    assert every["detail"] == ("behind on code-edit, head to head 0.93x of ngram@auto "
+                               "[90%: 0.85-1.04]: level within noise")
+    assert t[next(n for n in t if n.startswith("mixed@auto (the CLI"))]["detail"].endswith(
+        "head to head 1.31x of mlx-lm-draft@2 [90%: 1.20-1.40]: ahead")
     s["mixed@auto"]["code-edit"] = m(2.2)  # level with lookup alone: enough
     t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
     assert t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]["met"]

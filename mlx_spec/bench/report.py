@@ -71,6 +71,7 @@ def markdown(result: dict) -> str:
                 f"{_f(m['prompt_tps'], '.1f')} | {_f(m['peak_memory_gb'])} | "
                 f"{_identical(ident, greedy) if s == ALL else ''} |")
     lines += _cost_lines(result.get("verify_cost"))
+    lines += _head_to_head_lines(result.get("head_to_head"), suites)
     lines += _target_lines(result.get("targets", []))
     if result.get("skipped"):
         lines += ["", "Not run: " + "; ".join(result["skipped"])]
@@ -86,6 +87,24 @@ def _cost_lines(cost: dict | None) -> list[str]:
             "| n | " + " | ".join(str(i + 1) for i in range(len(rel))) + " |",
             "|---|" + "---:|" * len(rel),
             "| T(n)/T(1) | " + " | ".join(f"{x:.2f}" for x in rel) + " |"]
+
+
+def _head_to_head_lines(h2h: list[dict] | None, suites: list[str]) -> list[str]:
+    if not h2h:
+        return []
+    out = ["", "### Head to head (a's decode speed over b's on the same prompt and round: median "
+           "[90% bootstrap interval]; whole request in the last column)", "",
+           "| a vs b | " + " | ".join([*suites, ALL]) + " | whole request |",
+           "|---|" + "---:|" * (len(suites) + 2)]
+    for h in h2h:
+        cells = []
+        for s in [*suites, ALL]:
+            c = h["suites"].get(s)
+            cells.append("–" if c is None else
+                         f"{c['ratio']:.2f}x [{c['interval'][0]:.2f}–{c['interval'][1]:.2f}]")
+        whole = (h["suites"].get(ALL) or {}).get("e2e_ratio")
+        out.append(f"| {h['a']} vs {h['b']} | " + " | ".join(cells) + f" | {_x(whole)} |")
+    return out
 
 
 def _target_lines(targets: list[dict]) -> list[str]:
