@@ -129,7 +129,7 @@ def _measure(args) -> dict | None:
     from .harness import run_bench
     from .methods import BASELINE, Context, plan_variants
     from .suites import load_prompts, suite_names
-    from .summary import check_identical, evaluate_targets, head_to_head, head_to_head_pairs, summarize
+    from .summary import check_identical, judge, summarize
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     suites = args.suites.split(",") if args.suites else suite_names()
@@ -175,7 +175,6 @@ def _measure(args) -> dict | None:
         return None
     summary = summarize(records, BASELINE)
     identical = check_identical(records, BASELINE)
-    h2h = head_to_head(records, head_to_head_pairs(summary), suites)
     return {
         "schema": 1,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -188,8 +187,7 @@ def _measure(args) -> dict | None:
         "verify_cost": cost,
         "summary": summary,
         "identical": identical,
-        "head_to_head": h2h,
-        "targets": evaluate_targets(summary, identical, greedy=args.temp == 0, h2h=h2h),
+        **judge(records, summary, identical, suites, greedy=args.temp == 0),
         "skipped": plan.skipped,
         "runs": records,
     }
@@ -198,14 +196,12 @@ def _measure(args) -> dict | None:
 def _with_head_to_head(result: dict) -> dict:
     """A results.json saved before the head-to-head table gets it (and the targets' notes
     that use it) from its own run records, on `--load`."""
-    from .summary import evaluate_targets, head_to_head, head_to_head_pairs
+    from .summary import judge
 
     if "head_to_head" in result or not result.get("runs"):
         return result
-    h2h = head_to_head(result["runs"], head_to_head_pairs(result["summary"]), result["config"]["suites"])
-    return {**result, "head_to_head": h2h,
-            "targets": evaluate_targets(result["summary"], result["identical"],
-                                        greedy=result["config"]["temp"] == 0, h2h=h2h)}
+    return {**result, **judge(result["runs"], result["summary"], result["identical"],
+                              result["config"]["suites"], greedy=result["config"]["temp"] == 0)}
 
 
 def _config(args, labels: list[str], suites: list[str], baseline: str) -> dict:

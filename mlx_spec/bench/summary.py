@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections import defaultdict
 
 ALL = "all"  # the pseudo-suite that pools every prompt
 
@@ -52,13 +51,8 @@ def paired_speedups(records: list[dict], baseline: str,
     """method -> [(suite, `field` / the baseline's on the same prompt and round)]. `field`:
     "decode_tps" (after the first step) or "e2e_tps" (the whole request, prefill and any
     drafter's prompt read included, wherever the method does it)."""
-    base = {_key(r): r.get(field) for r in records if r["method"] == baseline}
-    out: dict[str, list[tuple[str, float]]] = defaultdict(list)
-    for r in records:
-        s = ratio(r.get(field), base.get(_key(r)))
-        if s is not None:
-            out[r["method"]].append((r["suite"], s))
-    return out
+    methods = dict.fromkeys(r["method"] for r in records)
+    return {m: xs for m in methods if (xs := paired_between(records, m, baseline, field))}
 
 
 def check_identical(records: list[dict], baseline: str) -> dict[str, dict]:
@@ -228,6 +222,13 @@ def _mixed_targets(summary: dict, theirs: str | None, h2h: list[dict] | None) ->
                                x + _paired_note(h2h, "mixed@auto", best[x], x) for x in short)
                            if short else "ahead or level everywhere"))
     return out
+
+
+def judge(records: list[dict], summary: dict, identical: dict, suites: list[str],
+          greedy: bool) -> dict:
+    """The result's `head_to_head` and `targets` (the targets' details use the former)."""
+    h2h = head_to_head(records, head_to_head_pairs(summary), suites)
+    return {"head_to_head": h2h, "targets": evaluate_targets(summary, identical, greedy, h2h)}
 
 
 def evaluate_targets(summary: dict, identical: dict, greedy: bool,
