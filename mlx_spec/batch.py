@@ -114,7 +114,9 @@ class BatchDecoder:
 
         With rows already decoding, one prefill chunk of the next waiting row goes first (or
         the short prompts of the rows at the front of the queue, read together);
-        with none, every waiting row that fits is prefilled whole, so they start together.
+        with none, every waiting row that fits is prefilled whole, so they start together,
+        and the step ends there: their first tokens go out at once (the time to first token
+        is the prefill's), and their first drafts are verified in the next step.
         """
         events, decoding = [], bool(self.active)
         self.width = 0  # rows verified together in this step
@@ -136,7 +138,7 @@ class BatchDecoder:
                 self._started(row, first, events)
                 if decoding:
                     break
-            if self.active:
+            if self.active and decoding:
                 events += self._verify()
         return events
 

@@ -26,7 +26,8 @@ def test_plain_rows_pipeline_and_each_gets_its_solo_output(name, monkeypatch):
     monkeypatch.setattr(batch_plain, "launch", lambda *a: flew.append(a[-1]) or real_launch(*a))
     decoder = BatchDecoder(model, tiny.tokenizer(eos=want[stop]), max_batch=4)  # row 0 stops there
     uids = [decoder.add(p, None, max_tokens=n) for p, n in zip(PROMPTS[:3], (30, 25, 40))]
-    out = {}
+    out = {uid: [r.token for r in block] for uid, block in decoder.step()}  # the prefill's step:
+    assert decoder.flight is None and [len(out[u]) for u in uids] == [1, 1, 1]  # first tokens go out
     while len(out.get(uids[0], [])) <= stop:  # row 0 stops while the next step is in flight
         for uid, block in decoder.step():
             out.setdefault(uid, []).extend(r.token for r in block)

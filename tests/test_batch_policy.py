@@ -72,7 +72,9 @@ def start(modes: list[dict], n: int):
     wants = [reference(model, p, n + 20) for p in PROMPTS[: len(modes)]]
     uids = [decoder.add(p, Scripted(w, m), max_tokens=n, num_draft_tokens="auto", seed=0, trace=True)
             for p, w, m in zip(PROMPTS, wants, modes)]
-    return decoder, uids, wants
+    out = {uid: [r.token for r in block] for uid, block in decoder.step()}  # the prefill's step
+    assert decoder.width == 0 and all(out[uid] == want[:1] for uid, want in zip(uids, wants))
+    return decoder, uids, wants, out
 
 
 def run(decoder, steps: int, out: dict) -> list[bool]:
@@ -97,16 +99,14 @@ def test_rows_with_nothing_to_propose_do_not_force_a_drafting_step(synthetic_cos
     token that would not pay if it held is no reason to look again sooner). When every row
     proposes the same, drafting pays and most steps draft."""
     lone = [{"how": "first"}] + [{"how": "none"} for _ in range(3)]
-    decoder, uids, wants = start(lone, 100)
-    out = {}
+    decoder, uids, wants, out = start(lone, 100)
     drafted = run(decoder, 40, out)
     at = [i for i, d in enumerate(drafted) if d]
     assert 1 <= len(at) <= 3 and all(b - a < c - b for a, b, c in zip(at, at[1:], at[2:]))
     for uid, want in zip(uids, wants):
         assert out[uid] == want[: len(out[uid])]
 
-    decoder, uids, wants = start([{"how": "first"} for _ in range(4)], 100)
-    out = {}
+    decoder, uids, wants, out = start([{"how": "first"} for _ in range(4)], 100)
     assert sum(run(decoder, 40, out)) >= 30
     for uid, want in zip(uids, wants):
         assert out[uid] == want[: len(out[uid])]
@@ -121,8 +121,7 @@ def test_rows_that_rarely_propose_leave_the_batch_plain(synthetic_costs, monkeyp
     wrong rule (misses not counted) asks on nearly every step."""
     if wrong_rule:
         monkeypatch.setattr(adaptive.AdaptiveK, "offered", lambda self, asked, proposed: None)
-    decoder, uids, wants = start([{"how": "rarely"}] * 4, 400)
-    out = {}
+    decoder, uids, wants, out = start([{"how": "rarely"}] * 4, 400)
     run(decoder, 20, out)  # learning
     drafters = [r.drafter for r in decoder.active]
     before = [d.asked for d in drafters]
@@ -135,8 +134,7 @@ def test_rows_that_rarely_propose_leave_the_batch_plain(synthetic_costs, monkeyp
 
 def test_a_batch_that_never_hits_probes_rarely_and_drafts_again_when_acceptance_appears(synthetic_costs):
     mode = {"how": "wrong"}
-    decoder, uids, wants = start([mode] * 4, 600)
-    out = {}
+    decoder, uids, wants, out = start([mode] * 4, 600)
     drafted = run(decoder, 140, out)
     assert drafted.index(False) <= 12  # a cold start learns within a few steps that drafts are wrong
     assert sum(drafted[20:]) <= 5  # then probes at growing intervals: 4, 8, 16, 32, 64 steps

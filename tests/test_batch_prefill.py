@@ -101,7 +101,8 @@ def test_rows_arriving_while_others_decode_are_read_together_within_one_chunk(mo
             out.setdefault(uid, []).extend(r.token for r in block)
 
     step()
-    assert calls == [2] and d.width == 2
+    assert calls == [2] and d.width == 0  # the step ended with the prefill: first tokens out
+    assert [len(out[uid]) for uid in first] == [1, 1]
     later = [d.add(p, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3) for p in prompts[2:]]
     step()
     assert calls == [2, 2] and d.width == 4  # the two joined the batch in the same step

@@ -60,6 +60,27 @@ def test_self_draft_accepts_every_token():
     assert [r.from_draft for r in out[1:11]] == [True] * 4 + [False] + [True] * 4 + [False]
 
 
+def test_the_prompts_token_is_yielded_before_the_first_draft():
+    """Time to first token is the prefill's: the first draft (a draft model's read of the
+    prompt, its proposals, the verify) comes after the caller has the prompt's token."""
+    model = target("llama-gqa")
+
+    class Counting(DraftModelDrafter):
+        proposals = 0
+
+        def propose(self, *args, **kwargs):
+            Counting.proposals += 1
+            return super().propose(*args, **kwargs)
+
+    gen = mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Counting(model),
+                                   max_tokens=12, num_draft_tokens=4)
+    first = next(gen)
+    assert not first.from_draft and Counting.proposals == 0
+    rest = list(gen)
+    assert Counting.proposals >= 1 and [r.from_draft for r in rest[:5]] == [True] * 4 + [False]
+    assert [first.token] + [r.token for r in rest] == reference(model, PROMPT, 12)
+
+
 def test_stats_and_trace_describe_each_step():
     model = target("qwen2")
     _, out = run(model, NGramDrafter(min_n=1), max_tokens=30, num_draft_tokens=4, trace=True)
