@@ -249,6 +249,34 @@ def test_steps_rebuilt_from_mlx_lm_flags():
     assert acc["pos_drafted"] == [4, 3, 3] and acc["pos_accepted"] == [3, 2, 1]
 
 
+def test_decode_clock_starts_where_each_engine_ends_its_first_verify(monkeypatch):
+    """mlx-lm yields the prompt's token with its first verified block; mlx-spec yields it
+    first, alone. Both are timed from the end of their first verify, not from the first token."""
+    now = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
+    R = dataclasses.make_dataclass("R", ["token", "from_draft", "stats"])
+    traced = type("S", (), {"trace": []})()
+
+    def stream_of(events, stats):  # (seconds before this token, drafted?)
+        def stream(ctx, ids, k, max_tokens, seed):
+            for i, (wait, drafted) in enumerate(events):
+                now[0] += wait
+                yield R(i, drafted, stats)
+        return stream
+
+    # mlx-lm: prompt + first verify (3 s) yields 3 drafted tokens and the target's; then 5 more
+    lm = [(3.0, True), (0, True), (0, True), (0, False)] + [(1.0, False)] * 5
+    # mlx-spec: the prompt's token at 2 s, then its first verify's 3 drafted + 1 at 4 s, 5 more
+    ours = [(2.0, False), (2.0, True), (0, True), (0, True), (0, False)] + [(1.0, False)] * 5
+    for events, stats in ((lm, None), (ours, traced)):
+        m = methods.Method("m", "", stream_of(events, stats))
+        rec = harness.run_once(methods.Variant(m, 4 if stats is None else None), None, [1, 2], 9, None)
+        first_verify_end = 3.0 if stats is None else 4.0
+        assert rec["decode_tps"] == pytest.approx(5 / (rec["total_s"] - first_verify_end))
+        now[0] = 0.0
+    assert rec["ttft_s"] == pytest.approx(2.0)
+
+
 def test_targets_on_literal_summary():
     def m(sp, lo=None):
         return {"speedup": sp, "speedup_spread": (lo if lo is not None else sp, sp)}

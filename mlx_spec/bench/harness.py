@@ -80,8 +80,13 @@ def run_once(variant: Variant, ctx: Context, ids: list[int], max_tokens: int,
         steps = steps_from_flags(flags, variant.k, max_tokens)
     else:  # plain decoding: one forward per token after the prefill
         steps = [(0, 0)] * max(len(tokens) - 1, 0)
-    # The first step ends at the first token the target chose itself.
-    b = flags.index(False) if False in flags else len(flags) - 1
+    # Decode speed is timed from the end of the first verify, which every speculative method
+    # has: mlx-lm yields the prompt's own token with its first verified block, whose end is the
+    # first token the target chose itself; mlx-spec yields it as soon as the prompt is read, so
+    # its first verify ends at the second. Plain decoding's clock starts at the prompt's token.
+    chosen = [i for i, drafted in enumerate(flags) if not drafted]
+    skip = 1 if stats is not None and stats.trace is not None else 0
+    b = chosen[min(skip, len(chosen) - 1)] if chosen else len(flags) - 1
     decode_time = times[-1] - times[b] if times else 0.0
     return {
         "method": variant.label,
