@@ -62,6 +62,32 @@ def running_server(model, tokenizer, drafter=None, *, api_key=None, max_body_byt
         assert not thread.is_alive(), "the server did not stop"
 
 
+@contextmanager
+def submitted_together(engine, n: int):
+    """The next `n` requests reach `engine`'s queue at once, so its next step takes them all
+    however the threads sending them are scheduled (a busy machine can otherwise finish the
+    first before the second arrives). Wraps this engine instance's `submit` only; requests
+    held back are queued on leaving, whatever happened."""
+    real, held = engine.submit, []
+
+    def enqueue_held():
+        with engine._cond:  # re-entrant: the engine's loop sees all of them or none
+            while held:
+                real(held.pop(0))
+
+    def submit(job):  # called on the server's event loop: it must not block
+        held.append(job)
+        if len(held) == n:
+            enqueue_held()
+
+    engine.submit = submit
+    try:
+        yield
+    finally:
+        engine.submit = real
+        enqueue_held()
+
+
 def request(port: int, method: str, path: str, body=None, headers=None, timeout=60):
     """(status, headers, body bytes) of one plain HTTP request."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)

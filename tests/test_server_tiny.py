@@ -21,7 +21,7 @@ import pytest
 import mlx_spec
 import tiny
 from server_utils import (metrics, open_stream, post, read_events, request, running_server, send_only,
-                          sse_data, wait_for, word_tokenizer)
+                          sse_data, submitted_together, wait_for, word_tokenizer)
 from test_conversations import drafter_case
 
 MESSAGES = [{"role": "user", "content": "w5 w6 w7 w8 w9 w5 w6 w7 w21 w3"}]
@@ -128,10 +128,11 @@ def test_concurrent_clients_decode_together_and_each_gets_its_solo_output(ngram_
                       messages=[{"role": "user", "content": prompts[i]}])[0]
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    with submitted_together(s.engine, len(prompts)):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
     assert got == want
     assert batched() > before  # some steps verified several requests in one forward
 
@@ -390,10 +391,11 @@ def test_cache_options_apply_to_every_request_and_requests_still_decode_together
                                                   temperature=0).choices[0].text
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        with submitted_together(s.engine, 2):
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
         together = metrics(s.port).get('mlx_spec:decode_steps_total{rows="2"}', 0)
     assert got == want and together > 0
 
