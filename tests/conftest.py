@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -12,12 +13,36 @@ def pytest_configure(config):
     # tests are ~20x faster than on the reference BLAS that the mlx[cpu] wheel bundles.
     if "mlx" in sys.modules:
         return
+    if getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        # pytest-xdist workers (pyproject's addopts: -n 2) already fill the cores: one BLAS
+        # thread each, set before they start (OpenBLAS reads it when it loads).
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+        config.pluginmanager.register(_RingTestsOnOneWorker())
     from mlx_spec.fastblas import preload_env, restart_with_fast_blas
 
     if preload_env() is not None:
         # Hand the real stdout/stderr back before the process is replaced.
         config.pluginmanager.getplugin("capturemanager").stop_global_capturing()
         restart_with_fast_blas(["-m", "pytest", *sys.argv[1:]])
+
+
+# Tests that start mlx.launch ranks: they share the ring backend's ports (32323 on), so one
+# pytest-xdist worker runs all of them, one after another, while the other runs the rest.
+RING_FILES = ("test_distributed.py", "test_dist_serve.py")
+
+
+class _RingTestsOnOneWorker:
+    """xdist's loadgroup marks would do this, but pytest 9 ignores the node ids they rename."""
+
+    @pytest.hookimpl
+    def pytest_xdist_make_scheduler(self, config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class Scheduler(LoadScopeScheduling):  # a work unit per test, the ring tests one unit
+            def _split_scope(self, nodeid):
+                return "ring" if nodeid.split("::")[0].rsplit("/", 1)[-1] in RING_FILES else nodeid
+
+        return Scheduler(config, log)
 
 
 @pytest.fixture(autouse=True, scope="session")
