@@ -5,6 +5,7 @@ is accepted the batch probes rarely, and it drafts again once acceptance appears
 Costs are synthetic (a forward over w tokens costs 1 + 0.1 w) and every row is seeded, so
 the policies learn from tokens only: the step counts below are exact, not timings."""
 
+import statistics
 import time
 
 import mlx.core as mx
@@ -223,7 +224,10 @@ def test_only_plain_steps_that_launch_one_forward_teach_their_cost(monkeypatch):
         walls.append(time.perf_counter() - tic)
     assert walls[0] >= 0.1 and timed[0] is None  # two forwards built: not learned from
     assert timed[-1] is None  # the last step built none (its own was in flight)
-    assert len(timed) == 7 and all(0.05 <= s < 0.09 for s in timed[1:-1])
+    # each step between costs one forward's build (50 ms); their median is under two
+    # forwards' (a busy machine, e.g. the suite's other worker, can delay a step or two)
+    assert len(timed) == 7 and all(s >= 0.05 for s in timed[1:-1])
+    assert 0.05 <= statistics.median(timed[1:-1]) < 0.09
 
 
 def test_a_step_that_waits_for_a_calibration_is_timed_without_it(monkeypatch, tmp_path):
