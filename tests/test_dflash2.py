@@ -141,6 +141,88 @@ def test_sampled_output_follows_the_target_distribution(tmp_path, monkeypatch):
     assert_caught(sampled_runs(model, [1, 2, 3], lambda: d, 200, max_tokens=5, k=3, vocab=V8, temp=1.0), joint)
 
 
+
+def selector_best_paths(ref, cat, y, E, lm, k, budget):
+    """NumPy: the `budget` most likely paths of the selector's chain for anchor `y` (row j's
+    log-softmax over its top-k candidates given the token before), found best-first."""
+    import heapq
+
+    h = ref.hidden(cat, E[[y] + [ref.mask] * (ref.block - 1)])[1:k + 1]
+    logits = np.tanh(h @ lm.T * 0.5 / 20.0) * 20.0
+    hp, P, Sc = (h @ ref.w["candidate_selector.hidden_projection.weight"].T,
+                 ref.w["candidate_selector.predecessor_codebook"], ref.w["candidate_selector.successor_codebook"])
+
+    def children(j, prev):
+        c = np.argsort(-logits[j], kind="stable")[:TOP]
+        s = logits[j][c] + (P[prev] * hp[j]) @ Sc[c].T
+        return zip(c.tolist(), s - s.max() - np.log(np.exp(s - s.max()).sum()))
+
+    heap, out = [(0.0, ())], []
+    while heap and len(out) <= budget:
+        neg, path = heapq.heappop(heap)
+        out.append(path)
+        if len(path) < k:
+            for t, lp in children(len(path), path[-1] if path else y):
+                heapq.heappush(heap, (neg - float(lp), path + (t,)))
+    return out[1:]  # without the root
+
+
+@pytest.mark.parametrize("budget", [1, 5, 16])
+def test_selector_trees_hold_the_budget_most_likely_paths(tmp_path, budget):
+    """With a tree budget, the selector drafts the `budget` best paths of its own chain
+    (against a NumPy best-first search); the first branch is its greedy path."""
+    from mlx_spec import tree
+    from test_ddtree import node_paths
+
+    out, w = head(tmp_path, "qwen3")
+    model = target("qwen3")[0]
+    d, chain = load_drafter(out, model, tree_budget=budget), load_drafter(out, model)
+    ref, (E, lm) = reference(w), target_arrays(model)
+    seq = [int(t) for t in np.random.default_rng(2).integers(0, 90, 40)]
+    taps = S.target_taps(model, seq, d.taps)
+    cat = S.concat_taps(taps, d.taps)
+    for x in (d, chain):
+        x.bind(model, None)
+        x.prefill(seq[:12], as_mx({k: v[:12] for k, v in taps.items()}))
+    for k in (BLOCK - 1, 3):
+        draft = d.propose(seq[12], k, Sampling())
+        assert sorted(node_paths(draft)) == sorted(selector_best_paths(ref, cat[:12], seq[12], E, lm, k, budget))
+        first = tree.as_chain(draft).tokens.tolist()
+        assert first and first == np.array(chain.propose(seq[12], k, Sampling()).tokens).tolist()[: len(first)]
+        assert draft.q is None and (budget <= k or not tree.is_chain(draft.parents))  # deeper than k: no
+
+
+def test_selector_trees_keep_greedy_output(tmp_path):
+    model = target("qwen3-echo")[0]
+    out, _ = head(tmp_path)
+    got, stats = spec_run(model, load_drafter(out, model, tree_budget=8), PROMPT, 60, BLOCK - 1)
+    assert got == greedy(model, PROMPT, 60)
+    assert stats.tree_steps > 0
+
+
+@pytest.mark.slow
+def test_sampled_selector_trees_keep_the_targets_law_with_deep_paths_accepted(tmp_path):
+    """The sampled setup above drafting trees of 5 nodes: the first tokens' law is the
+    target's, with paths of depth >= 2 through non-chain trees accepted, off the first
+    branch too (the tree walk, not the drafts' q, keeps it exact)."""
+    from lossless import assert_lossless, exact_joint, sampled_runs
+    from test_ddtree import deep_tree_steps
+
+    V8 = 8
+    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
+    tdir = S.write_target(tmp_path / "t", model, tcfg)
+    w = dflash2_weights(np.random.default_rng(5), layers=1, vocab=V8)
+    w["norm.weight"] = w["norm.weight"] * 4
+    cfg = config(layers=1, ids=(0, 1), n_target=3, vocab=V8, mask=V8 - 1, block=4)
+    out = conv.convert(S.save_checkpoint(tmp_path / "s", cfg, w), tmp_path / "h", tdir)
+    d = load_drafter(out, model, tree_budget=5)
+    runs = sampled_runs(model, [1, 2, 3], lambda: d, 600, max_tokens=5, k=3, vocab=V8, temp=1.0,
+                        record_drafts=True)
+    deep, off_first = deep_tree_steps(runs)
+    print(f"selector tree steps accepting >= 2 drafts: {deep}; off the first branch: {off_first}")
+    assert deep >= 25 and off_first >= 50, (deep, off_first)  # 36 and 405 here
+    assert_lossless(runs, exact_joint(model, [1, 2, 3], 5, dict(temp=1.0), vocab=V8))
+
 BAD = {
     "no selector fields": (lambda c, w: c["dflash_config"].pop("selector_top_k"), "selector_top_k"),
     "codebook over another vocabulary": (

@@ -74,15 +74,18 @@ class CandidateSelector(nn.Module):
         self.successor_codebook = nn.Embedding(vocab, rank)
         self.hidden_projection = nn.Linear(hidden, rank, bias=False)
 
+    def _candidates(self, h: mx.array, logits: mx.array):
+        """Each row's top-k tokens [k, top], their unary scores, W h [k, r] and S[C] [k, top, r]."""
+        top = min(self.top_k, logits.shape[-1])
+        cands = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]  # [k, top]
+        unary = mx.take_along_axis(logits, cands, axis=-1).astype(mx.float32)
+        return cands, unary, self.hidden_projection(h), self.successor_codebook(cands)
+
     def choose(self, h: mx.array, logits: mx.array, y: int, sampling: Sampling,
                sample_drafts: bool) -> Draft:
         """h [k, H] block rows after the final norm, logits [k, V] -> the drafted path (lazy)."""
         k, V = logits.shape
-        top = min(self.top_k, V)
-        cands = mx.argpartition(-logits, kth=top - 1, axis=-1)[:, :top]  # [k, top]
-        unary = mx.take_along_axis(logits, cands, axis=-1).astype(mx.float32)
-        hp = self.hidden_projection(h)  # [k, r]
-        succ = self.successor_codebook(cands)  # [k, top, r]
+        cands, unary, hp, succ = self._candidates(h, logits)
         sample = sample_drafts and not sampling.greedy
         prev, tokens, qs = mx.array([y], dtype=mx.uint32), [], []
         for j in range(k):
@@ -99,3 +102,27 @@ class CandidateSelector(nn.Module):
             tokens.append(t)
             prev = t.reshape(1).astype(mx.uint32)
         return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+
+    def tree(self, h: mx.array, logits: mx.array, y: int, sampling: Sampling, budget: int) -> Draft:
+        """The `budget` most likely paths of the selector's chain, whose row j scores its
+        candidates given the token before it: grown as an EAGLE-2 dynamic tree
+        (`dynamic_tree.grow`) whose "forward" for a depth's frontier is each frontier token's
+        edge scores, all lazy, one host sync. Its width is the budget, so no path of the best
+        `budget` is pruned on the way. A path's value is the sum of its rows' log-probabilities
+        over their candidates (tempered and filtered as the target's when sampling)."""
+        from ...dynamic_tree import grow
+
+        k, V = logits.shape
+        cands, unary, hp, succ = self._candidates(h, logits)
+
+        def rows(j: int, prev: mx.array) -> mx.array:  # prev [n] -> scores [n, V], -inf off C_j
+            edges = (self.predecessor_codebook(prev) * hp[j]) @ succ[j].T  # [n, top]
+            scores = unary[j] + edges.astype(mx.float32)
+            full = mx.full((prev.shape[0], V), -mx.inf, mx.float32)
+            return mx.put_along_axis(full, mx.broadcast_to(cands[j], scores.shape), scores, axis=-1)
+
+        depths = iter(range(1, k))  # grow asks for depths 2, 3, ... in order
+        step = lambda tokens, slots, mask, shift: rows(next(depths), tokens)  # noqa: E731
+        root = rows(0, mx.array([y], mx.uint32))[0]
+        draft, _ = grow(root, step, depth=min(k, budget), width=budget, budget=budget, sampling=sampling)
+        return draft

@@ -23,8 +23,9 @@ Trees (`tree_budget=N`): the same block forward, then a DDTree of the N most lik
 prefixes under the block's per-position distributions, depth <= k (`block_tree`); its
 nodes are point masses. Reading the [k, N] top-N table costs one host sync in `propose`
 (the verify's own is the other). A target whose cache cannot verify a tree (recurrent or
-sliding-window layers) gets chains instead. DFlash2's candidate selector scores pairs
-of tokens, not positions, so it drafts chains only.
+sliding-window layers) gets chains instead. DFlash2's candidate selector scores each
+row's candidates given the token before them, so its tree is the N most likely paths of
+that chain (`CandidateSelector.tree`, an EAGLE-2 dynamic tree one budget wide).
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
@@ -81,9 +82,6 @@ class DFlashDrafter(SavesState):
         self.sample_drafts = sample_drafts
         self.context = BlockContext(net, cfg, self.taps)
         self.tree_budget = check_budget(tree_budget)
-        if self.tree_budget is not None and "candidate_selector" in net:
-            raise ValueError("tree_budget needs per-position distributions; this DFlash2 head "
-                             "drafts a path through its candidate selector (leave tree_budget out)")
         self._trees = False  # set by bind: a tree_budget and a target that can verify trees
         self._embed = self._head = None
         self._embed_scale = 1.0
@@ -125,11 +123,13 @@ class DFlashDrafter(SavesState):
         k = min(k, self.max_draft)
         # Always the full block: the mask rows shape each other's predictions.
         h = self.hidden(y)[1 : k + 1]  # [k, H]
+        selector = self.context.net.candidate_selector if "candidate_selector" in self.context.net else None
         if self._trees:
+            if selector is not None:  # DFlash2: the best paths through the rows' top-k
+                return selector.tree(h, self.logits(h), y, sampling, self.tree_budget)
             return propose_tree(self.logits(h), sampling, self.tree_budget)
-        if "candidate_selector" in self.context.net:  # DFlash2: a path through each row's top-k
-            return self.context.net.candidate_selector.choose(h, self.logits(h), y, sampling,
-                                                              self.sample_drafts)
+        if selector is not None:  # DFlash2: a path through each row's top-k
+            return selector.choose(h, self.logits(h), y, sampling, self.sample_drafts)
         return pick_block(self.logits(h), sampling, self.sample_drafts)
 
     def commit(self, tokens: Sequence[int], taps: dict | None) -> None:
