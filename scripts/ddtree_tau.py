@@ -1,6 +1,6 @@
 """Block drafters: tau of chains against DDTree-style trees (`tree_budget`), two ways.
 
-    python scripts/ddtree_tau.py [--tokens 120] [--runs 200] [--trials 4000]
+    python scripts/ddtree_tau.py [--tokens 120] [--runs 200] [--trials 4000] [--only selector]
 
 1. Through the decode loop, with the synthetic DFlash heads of tests/test_dflash.py
    (random weights; tau = tokens per target forward, as `stats.tau` there):
@@ -10,7 +10,10 @@
 2. DSpark heads with a Markov head (tests/test_dspark.py): the echo target's bigram head,
    greedy; the bigram head on the 8-token target, sampled. Their trees are the best
    paths of the Markov chain.
-3. An ideal block drafter (NumPy only, as scripts/block_draft_modes.py): random Markov
+3. DFlash2 heads (tests/test_dflash2.py): the echo target with the copy-the-anchor head
+   whose candidate selector has no edges (block 8), greedy; the random head on the
+   8-token target, sampled. Their trees are the best paths of the selector's chain.
+4. An ideal block drafter (NumPy only, as scripts/block_draft_modes.py): random Markov
    targets over V tokens whose rows mix sharp and flat, the drafter's q_j the exact
    marginal j + 1 steps ahead, the tree `block_tree.best_prefixes` over them. Greedy
    targets follow their argmax; sampled ones draw each token from the row, and a tree
@@ -102,6 +105,31 @@ def spark_tau(tokens: int, runs: int) -> None:
         print(f"  {'chain k=3' if budget is None else f'tree budget {budget}':28s} {sampled:6.3f}")
 
 
+def selector_tau(tokens: int, runs: int) -> None:
+    """DFlash2 heads (trees: the best paths of the candidate selector's chain)."""
+    import lossless as L
+    import test_dflash2 as T
+    from mlx_spec.heads import load_drafter
+    from runs import spec_run
+
+    tmp = Path(tempfile.mkdtemp())
+    model = T.target("qwen3-echo")[0]
+    head, _ = T.head(tmp, identity=True)
+    print(f"DFlash2, echo target, copy head (block 8), greedy, {tokens} tokens: tau")
+    for k, budget in [(3, None), (3, 3), (7, None), (7, 7), (7, 12), (7, 16)]:
+        _, st = spec_run(model, load_drafter(head, model, tree_budget=budget), T.PROMPT, tokens, k)
+        label = f"chain k={k}" if budget is None else f"tree budget {budget:2d}, depth <= {k}"
+        print(f"  {label:28s} {st.tau:6.3f}  (tree steps {st.tree_steps}/{st.target_forwards})")
+    model, head = T.sampled_head(tmp)
+    print(f"DFlash2, 8-token target, random head (block 4, k = 3): tau, sampled {runs} runs x 5 tokens")
+    for budget in (None, 3, 4, 6, 8):
+        d = load_drafter(head, model, tree_budget=budget)
+        r = L.sampled_runs(model, [1, 2, 3], lambda: d, runs, max_tokens=5, k=3, vocab=T.V8, temp=1.0)
+        steps = sum(len(t) for t in r.traces)
+        sampled = sum(t.accepted + 1 for tr in r.traces for t in tr) / max(steps, 1)
+        print(f"  {'chain k=3' if budget is None else f'tree budget {budget}':28s} {sampled:6.3f}")
+
+
 def markov_tau(vocab: int, trials: int) -> None:
     from mlx_spec.drafters.block_tree import best_prefixes
 
@@ -168,10 +196,16 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--trials", type=int, default=4000)
     ap.add_argument("--vocab", type=int, default=50)
+    ap.add_argument("--only", choices=["loop", "spark", "selector", "markov"], default=None,
+                    help="run one section")
     args = ap.parse_args()
-    loop_tau(args.tokens, args.runs)
-    spark_tau(args.tokens, args.runs)
-    markov_tau(args.vocab, args.trials)
+    sections = {"loop": lambda: loop_tau(args.tokens, args.runs),
+                "spark": lambda: spark_tau(args.tokens, args.runs),
+                "selector": lambda: selector_tau(args.tokens, args.runs),
+                "markov": lambda: markov_tau(args.vocab, args.trials)}
+    for name, run in sections.items():
+        if args.only in (None, name):
+            run()
     return 0
 
 

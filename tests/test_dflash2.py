@@ -112,6 +112,20 @@ def test_greedy_output_is_the_targets_own(tmp_path):
     assert stats.tau > 1.5
 
 
+V8 = 8
+
+
+def sampled_head(tmp):
+    """(target, converted head folder): an 8-token target (3 layers, sharpened) and a random
+    1-layer DFlash2 head over it (block 4: k = 3), sharp enough that drafts are often kept."""
+    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
+    tdir = S.write_target(tmp / "t", model, tcfg)
+    w = dflash2_weights(np.random.default_rng(5), layers=1, vocab=V8)
+    w["norm.weight"] = w["norm.weight"] * 4  # sharper draft distributions
+    cfg = config(layers=1, ids=(0, 1), n_target=3, vocab=V8, mask=V8 - 1, block=4)
+    return model, conv.convert(S.save_checkpoint(tmp / "s", cfg, w), tmp / "h", tdir)
+
+
 @pytest.mark.slow
 def test_sampled_output_follows_the_target_distribution(tmp_path, monkeypatch):
     """Drafts drawn along the selector's path, checked with their q: the first 3 tokens'
@@ -119,13 +133,8 @@ def test_sampled_output_follows_the_target_distribution(tmp_path, monkeypatch):
     import mlx_spec.acceptance as acceptance
     from lossless import assert_caught, assert_lossless, exact_joint, sampled_runs
 
-    V8 = 8
-    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
-    tdir = S.write_target(tmp_path / "t", model, tcfg)
-    w = dflash2_weights(np.random.default_rng(5), layers=1, vocab=V8)
-    w["norm.weight"] = w["norm.weight"] * 4  # sharper draft distributions
-    cfg = config(layers=1, ids=(0, 1), n_target=3, vocab=V8, mask=V8 - 1, block=4)
-    d = load_drafter(conv.convert(S.save_checkpoint(tmp_path / "s", cfg, w), tmp_path / "h", tdir), model)
+    model, head_dir = sampled_head(tmp_path)
+    d = load_drafter(head_dir, model)
     joint = exact_joint(model, [1, 2, 3], 5, dict(temp=1.0), vocab=V8)
     right = sampled_runs(model, [1, 2, 3], lambda: d, 600, max_tokens=5, k=3, vocab=V8, temp=1.0)
     drafted = sum(sum(len(t.proposed) for t in tr) for tr in right.traces)
@@ -208,14 +217,8 @@ def test_sampled_selector_trees_keep_the_targets_law_with_deep_paths_accepted(tm
     from lossless import assert_lossless, exact_joint, sampled_runs
     from test_ddtree import deep_tree_steps
 
-    V8 = 8
-    model, tcfg = S.qwen3_target(seed=3, vocab=V8, sharpen=2.0, layers=3)
-    tdir = S.write_target(tmp_path / "t", model, tcfg)
-    w = dflash2_weights(np.random.default_rng(5), layers=1, vocab=V8)
-    w["norm.weight"] = w["norm.weight"] * 4
-    cfg = config(layers=1, ids=(0, 1), n_target=3, vocab=V8, mask=V8 - 1, block=4)
-    out = conv.convert(S.save_checkpoint(tmp_path / "s", cfg, w), tmp_path / "h", tdir)
-    d = load_drafter(out, model, tree_budget=5)
+    model, head_dir = sampled_head(tmp_path)
+    d = load_drafter(head_dir, model, tree_budget=5)
     runs = sampled_runs(model, [1, 2, 3], lambda: d, 600, max_tokens=5, k=3, vocab=V8, temp=1.0,
                         record_drafts=True)
     deep, off_first = deep_tree_steps(runs)
