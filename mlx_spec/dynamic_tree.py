@@ -103,6 +103,20 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
     return select([(t.tolist(), v.tolist()) for t, v in levels], [f.tolist() for f in fronts], w, budget)
 
 
+def best_paths(row: Callable[[int, mx.array], mx.array], y: int, *, depth: int, budget: int,
+               sampling: Sampling, token_ids: mx.array | None = None) -> Draft:
+    """The `budget` most likely paths, at most `depth` deep, of a chain whose row j depends
+    only on the token before it: `row(j, prev [n])` -> logits [n, V] (prev: target ids, the
+    first row's is the anchor `y`). A dynamic tree as wide as the budget, so no path of the
+    best `budget` is pruned on the way: exactly the best `budget` prefixes."""
+    depths = iter(range(1, depth))  # grow asks for depths 2, 3, ... in order
+    step = lambda tokens, slots, mask, shift: row(next(depths), tokens)  # noqa: E731
+    root = row(0, mx.array([y], mx.uint32))[0]
+    draft, _ = grow(root, step, depth=min(depth, budget), width=budget, budget=budget,
+                    sampling=sampling, token_ids=token_ids)
+    return draft
+
+
 def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]], w: int,
            budget: int) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """The host half of `grow`: rerank every candidate, keep the best `budget`, list them

@@ -168,20 +168,16 @@ class SparkChain:
                             None if d2t is None else (lambda ids: d2t[ids]))
 
     def _markov_tree(self, U, h, y, sampling) -> Draft:
-        """The `tree_budget` most likely paths of the Markov chain s_j = U_j + W2 W1[x_(j-1)]:
-        grown as an EAGLE-2 dynamic tree (`dynamic_tree.grow`) whose "forward" for a depth's
-        frontier is the Markov term of each frontier token, all lazy, one host sync. Its width
-        is the budget, so no path of the best `budget` is ever pruned on the way: the tree is
-        exactly the `budget` best prefixes under the chain's own distribution. With a
+        """The `tree_budget` most likely paths of the Markov chain s_j = U_j + W2 W1[x_(j-1)]
+        (`dynamic_tree.best_paths`: a depth's "forward" is the Markov term of each frontier
+        token, all lazy, one host sync): exactly the `budget` best prefixes under the chain's
+        own distribution. With a
         threshold, a node is kept only while its path's confidence product stays >= it
         (`_cut_tree`): the chain's cut, per path."""
         w1, w2 = self.heads.markov_head.markov_w1, self.heads.markov_head.markov_w2
-        rows = iter(range(1, U.shape[0]))  # grow asks for depths 2, 3, ... in order
-        step = lambda tokens, slots, mask, shift: U[next(rows)][None] + w2(w1(tokens))  # noqa: E731
-        root = U[0] + w2(w1(mx.array([y], mx.uint32)))[0]
-        budget = self.tree_budget
-        draft, _ = dynamic_tree.grow(root, step, depth=min(U.shape[0], budget), width=budget,
-                                     budget=budget, sampling=sampling, token_ids=self.draft_to_target)
+        draft = dynamic_tree.best_paths(lambda j, prev: U[j][None] + w2(w1(prev)), y,
+                                        depth=U.shape[0], budget=self.tree_budget, sampling=sampling,
+                                        token_ids=self.draft_to_target)
         return draft if self.threshold is None or draft.size == 0 else self._cut_tree(draft, h, y)
 
     def _cut_tree(self, draft: Draft, h, y: int) -> Draft:

@@ -105,24 +105,18 @@ class CandidateSelector(nn.Module):
 
     def tree(self, h: mx.array, logits: mx.array, y: int, sampling: Sampling, budget: int) -> Draft:
         """The `budget` most likely paths of the selector's chain, whose row j scores its
-        candidates given the token before it: grown as an EAGLE-2 dynamic tree
-        (`dynamic_tree.grow`) whose "forward" for a depth's frontier is each frontier token's
-        edge scores, all lazy, one host sync. Its width is the budget, so no path of the best
-        `budget` is pruned on the way. A path's value is the sum of its rows' log-probabilities
-        over their candidates (tempered and filtered as the target's when sampling)."""
-        from ...dynamic_tree import grow
+        candidates given the token before it (`dynamic_tree.best_paths`: all lazy, one host
+        sync). A path's value is the sum of its rows' log-probabilities over their
+        candidates (tempered and filtered as the target's when sampling)."""
+        from ...dynamic_tree import best_paths
 
         k, V = logits.shape
         cands, unary, hp, succ = self._candidates(h, logits)
 
-        def rows(j: int, prev: mx.array) -> mx.array:  # prev [n] -> scores [n, V], -inf off C_j
+        def row(j: int, prev: mx.array) -> mx.array:  # prev [n] -> scores [n, V], -inf off C_j
             edges = (self.predecessor_codebook(prev) * hp[j]) @ succ[j].T  # [n, top]
             scores = unary[j] + edges.astype(mx.float32)
             full = mx.full((prev.shape[0], V), -mx.inf, mx.float32)
             return mx.put_along_axis(full, mx.broadcast_to(cands[j], scores.shape), scores, axis=-1)
 
-        depths = iter(range(1, k))  # grow asks for depths 2, 3, ... in order
-        step = lambda tokens, slots, mask, shift: rows(next(depths), tokens)  # noqa: E731
-        root = rows(0, mx.array([y], mx.uint32))[0]
-        draft, _ = grow(root, step, depth=min(k, budget), width=budget, budget=budget, sampling=sampling)
-        return draft
+        return best_paths(row, y, depth=k, budget=budget, sampling=sampling)

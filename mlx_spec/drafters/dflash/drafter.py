@@ -25,7 +25,7 @@ nodes are point masses. Reading the [k, N] top-N table costs one host sync in `p
 (the verify's own is the other). A target whose cache cannot verify a tree (recurrent or
 sliding-window layers) gets chains instead. DFlash2's candidate selector scores each
 row's candidates given the token before them, so its tree is the N most likely paths of
-that chain (`CandidateSelector.tree`, an EAGLE-2 dynamic tree one budget wide).
+that chain (`CandidateSelector.tree`, through `dynamic_tree.best_paths` as DSpark's Markov trees).
 
 Invariant: the context cache holds exactly the committed positions. `prefill`
 and `commit` append the taps of the tokens the target kept, so block K/V from a
