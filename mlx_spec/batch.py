@@ -34,7 +34,9 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import batch_cache, batch_plain, tree, verify
+from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
+from .distributed import shard_of
 from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
@@ -147,6 +149,8 @@ class BatchDecoder:
         prefilled together (`verify.prefill_together`), then start. While rows decode: as many
         as the batch has room for, of its cache kind, and only while their prompts together
         fit one prefill chunk (what the decoding rows wait for stays a chunk's read)."""
+        if not self.waiting:
+            return False
         group, tokens = [], 0
         kind = self._kind(self.active[0]) if decoding else None
         for row in self.waiting[: self.max_batch - len(self.active)]:
@@ -291,8 +295,6 @@ class BatchDecoder:
         if draft.parents is None or tree.is_chain(draft.parents):
             return draft if draft.parents is None else tree.as_chain(draft)
         if tree.tree_capable(cache, self.model if width > 1 else None) and not row.req.logits_processors:
-            from .adaptive import AdaptiveK
-
             if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
                 return draft
             row.shapes = row.shapes or tree.ShapeChoice()
@@ -370,9 +372,6 @@ def _plain_next(model, rows: list[Row]) -> bool:
     On a sharded target an adaptive row never queues ahead: the guess rests on each rank's own
     timings, and a step queued on one rank and taken back would be a forward (with its
     collectives) the other ranks never ran."""
-    from .adaptive import AdaptiveK
-    from .distributed import shard_of
-
     if shard_of(model) is not None and any(isinstance(r.lengths, AdaptiveK) for r in rows):
         return False
     if len(rows) > 1:

@@ -78,6 +78,8 @@ def register_cache_types(*, rotating=(), containers=(), snapshots=None, copied=N
     POSITIONLESS.extend(c for c in positionless if c not in POSITIONLESS)
     SNAPSHOT_ATTRS.update(snapshots or {})
     SNAPSHOT_COPIED.update(copied or {})
+    _ROLES.clear()
+    _ALL_TRIMMABLE.clear()
 
 
 def positions(c: Any) -> int | None:
@@ -88,22 +90,42 @@ def positions(c: Any) -> int | None:
     return offset if isinstance(offset, int) else None
 
 
+# type(layer) -> (snapshot attrs or None, copied attrs, is a container): what the registries
+# above say of a class, looked up once (a checkpoint is taken every step, for every layer).
+_ROLES: dict[type, tuple[tuple[str, ...] | None, tuple[str, ...], bool]] = {}
+
+
+def _role(c: Any) -> tuple[tuple[str, ...] | None, tuple[str, ...], bool]:
+    role = _ROLES.get(type(c))
+    if role is None:
+        snap = next((attrs for cls, attrs in SNAPSHOT_ATTRS.items() if isinstance(c, cls)), None)
+        copied = next((attrs for cls, attrs in SNAPSHOT_COPIED.items() if isinstance(c, cls)), ())
+        role = _ROLES[type(c)] = (snap, copied, isinstance(c, tuple(CONTAINERS)))
+    return role
+
+
+# tuple of layer classes -> whether every one is a trimmable layer (no snapshot, no container)
+_ALL_TRIMMABLE: dict[tuple, bool] = {}
+
+
+def _all_trimmable(cache: list) -> bool:
+    key = tuple(map(type, cache))
+    plain = _ALL_TRIMMABLE.get(key)
+    if plain is None:
+        plain = _ALL_TRIMMABLE[key] = all(r[0] is None and not r[2] for r in map(_role, cache))
+    return plain
+
+
 def _snapshot_attrs(c: Any) -> tuple[str, ...] | None:
-    for cls, attrs in SNAPSHOT_ATTRS.items():
-        if isinstance(c, cls):
-            return attrs
-    return None
+    return _role(c)[0]
 
 
 def _copied_attrs(c: Any) -> tuple[str, ...]:
-    for cls, attrs in SNAPSHOT_COPIED.items():
-        if isinstance(c, cls):
-            return attrs
-    return ()
+    return _role(c)[1]
 
 
 def _is_container(c: Any) -> bool:
-    return isinstance(c, tuple(CONTAINERS))
+    return _role(c)[2]
 
 
 class CacheRollbackError(ValueError):
@@ -276,12 +298,19 @@ def make_cache(model) -> list:
     return prepare_cache(model)
 
 
-def _layers(cache: list):
+def _with_roles(cache: list):
+    """Each cache layer (inside per-layer containers too) with its `_role`."""
     for c in cache:
-        if _is_container(c):
-            yield from _layers(c.caches)
+        role = _role(c)
+        if role[2]:
+            yield from _with_roles(c.caches)
         else:
-            yield c
+            yield c, role
+
+
+def _layers(cache: list):
+    for c, _ in _with_roles(cache):
+        yield c
 
 
 def rollback(cache: list, n: int) -> None:
@@ -314,15 +343,14 @@ class Checkpoint:
     def __init__(self, model, cache: list):
         self.model, self.cache = model, cache
         self.layers = list(cache)  # mlx-lm's KV quantization may replace list entries
-        self.offsets: list[tuple[Any, int]] = []
-        self.states = []
-        for c in _layers(cache):
-            attrs = _snapshot_attrs(c)
-            if attrs is None:
-                self.offsets.append((c, c.offset))
-            else:
-                copied = _copied_attrs(c)
-                self.states.append((c, {a: _copy(getattr(c, a), a in copied) for a in attrs}))
+        if _all_trimmable(cache):  # the common case, taken every step: offsets only
+            self.offsets: list[tuple[Any, int]] = [(c, c.offset) for c in cache]
+            self.states = []
+            return
+        layers = list(_with_roles(cache))
+        self.offsets = [(c, c.offset) for c, (attrs, _, _) in layers if attrs is None]
+        self.states = [(c, {a: _copy(getattr(c, a), a in copied) for a in attrs})
+                       for c, (attrs, copied, _) in layers if attrs is not None]
 
     def restore(self) -> None:
         """The cache exactly as at the checkpoint (as `BatchCheckpoint.restore`)."""

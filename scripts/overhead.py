@@ -118,13 +118,13 @@ def real(args) -> int:
     return 0
 
 
-def gpu_like(args) -> int:
+def gpu_like_model(name: str, byte_fragments: bool = False):
+    """The GPU-like regime's target: 30 llama layers of width 64 with a real vocabulary (the
+    tokenizer of the zoo model `name`), random weights; returns (model, tokenizer)."""
     import mlx.core as mx
-    from mlx_lm.generate import generate_step
     from mlx_lm.models import llama
 
     import mlx_spec
-    from mlx_spec import overlap, verify
     from mlx_spec.generate_cli import resolve_model
 
     mx.random.seed(0)
@@ -133,8 +133,8 @@ def gpu_like(args) -> int:
                             vocab_size=49152, tie_word_embeddings=False)
     model = llama.Model(margs)
     mx.eval(model.parameters())
-    _, tok = mlx_spec.load(resolve_model(args.model))  # a real tokenizer (the zoo's SmolLM2: 49152 tokens)
-    if not args.byte_fragments:
+    _, tok = mlx_spec.load(resolve_model(name))  # a real tokenizer (the zoo's SmolLM2: 49152 tokens)
+    if not byte_fragments:
         # A random model picks byte-fragment tokens (pieces of multi-byte UTF-8 characters) as
         # often as any, and a streaming detokenizer re-decodes its unfinished bytes after each
         # one: 0.76 ms a token here, a cost real text rarely has. Its output layer is limited
@@ -144,6 +144,17 @@ def gpu_like(args) -> int:
         w[mx.array(fragments)] = 0  # their logits are 0; whole-text ones' maximum is far above
         model.lm_head.weight = w
         mx.eval(model.parameters())
+    return model, tok
+
+
+def gpu_like(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    import mlx_spec
+    from mlx_spec import overlap, verify
+
+    model, tok = gpu_like_model(args.model, args.byte_fragments)
     prompt = [5, 6, 7, 8] * 8
     n = args.max_tokens or 200  # short runs, many rounds: interleaving beats a noisy machine
 

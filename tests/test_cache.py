@@ -201,3 +201,22 @@ def test_deepseek_v41_layer_cache_rolls_back_far_past_its_window():
 def test_supported_layers_pass_through():
     caches = [KVCache(), QuantizedKVCache(), ArraysCache(2)]
     assert prepare_cache(None, list(caches)) == caches
+
+
+def test_checkpoint_follows_cache_types_registered_after_use():
+    """Checkpoints look a layer class's role up once; registering the class later (a target
+    module does, on import) must still make the next checkpoint snapshot it."""
+    from mlx_spec.cache import register_cache_types
+
+    class LateState:  # one state array, reassigned on update (a recurrent layer's way)
+        def __init__(self):
+            self.state, self.offset = mx.zeros((2,)), 0
+
+    layer = LateState()
+    Checkpoint(None, [layer, KVCache()])  # unregistered: taken for a trimmable layer
+    register_cache_types(snapshots={LateState: ("state",)})
+    before = layer.state
+    ckpt = Checkpoint(None, [layer, KVCache()])
+    layer.state = mx.ones((2,))
+    ckpt.restore()
+    assert layer.state is before
