@@ -344,6 +344,8 @@ class BatchDecoder:
 def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
     """Each row's draft of k tokens (k = 0: none). Rows whose drafters can propose together
     (the same `together()` key: forks of one draft model) do so, one forward per depth."""
+    if not any(ks):
+        return [EMPTY] * len(rows)
     groups: dict = {}
     for i, (row, k) in enumerate(zip(rows, ks)):
         key = k > 0 and len(rows) > 1 and getattr(row.drafter, "together", None)

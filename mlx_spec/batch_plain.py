@@ -52,17 +52,22 @@ def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flig
     ckpt = checkpoint(model, cache, len(rows))
     # Nothing in flight (later = 0): MLX is idle, so it evaluates the forward in pieces while
     # the rest is built; queued behind a step in flight, it is built whole (measured faster).
-    with overlapped(model, None if later == 0 else 0) as pieces:
-        logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]  # [B, V]
+    queued = None
+    if later == 0:
+        with overlapped(model) as pieces:
+            logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]  # [B, V]
+        queued = pieces.at
+    else:
+        logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]
     if all(r.req.sampling.greedy for r in rows):
-        tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        tokens = mx.argmax(logits, axis=-1)  # uint32
     else:
         draws = []
         for i, row in enumerate(rows):
             row.seed_rng(1, row.steps + later)
             draws.append(row.req.sampling.sample(logits[i]).astype(mx.uint32).reshape(()))
         tokens = mx.stack(draws)
-    queued = (pieces.at if later == 0 else None) or time.perf_counter()  # MLX had it from then on
+    queued = queued or time.perf_counter()  # MLX had it from then on
     mx.async_eval(tokens)
     for row in rows:
         row.consumed += 1
@@ -91,7 +96,7 @@ def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> 
     for i, row in enumerate(rows):
         row.sync_seconds += wait
         row.last = None  # a one-token block: nothing of it is ever taken back
-        verdicts.append(Verdict([], 0, tokens[i], None, log_softmax(flight.logits[i : i + 1]), 0))
+        verdicts.append(Verdict([], 0, tokens[i], None, [log_softmax(flight.logits[i])], 0))
     return verdicts, nxt, launched == 1
 
 

@@ -37,7 +37,7 @@ class Verdict:
     n: int  # how many of them the target kept
     token: int  # the target's own next token (correction or bonus): the new y
     taps: dict | None  # target hidden states at the kept inputs [y, d0 .. d(n-1)]
-    logprobs: mx.array  # [n + 1, V] the target's log-probabilities of the emitted tokens (lazy)
+    logprobs: mx.array | list  # [n + 1, V] the target's log-probabilities of the emitted tokens (lazy; or n + 1 rows [V])
     size: int  # rows drafted and verified (>= len(proposed))
     depth: int | None = None  # a tree's levels (None: a chain, its size)
 
@@ -47,7 +47,8 @@ class Verdict:
 
 
 def log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
+    if logits.dtype != mx.float32:
+        logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
