@@ -96,7 +96,7 @@ def step(model, cache: list, rows: list, flight: Flight | None, ahead: bool) -> 
     for i, row in enumerate(rows):
         row.sync_seconds += wait
         row.last = None  # a one-token block: nothing of it is ever taken back
-        verdicts.append(Verdict([], 0, tokens[i], None, [log_softmax(flight.logits[i])], 0))
+        verdicts.append(Verdict([], 0, tokens[i], None, log_softmax(flight.logits[i : i + 1]), 0))
     return verdicts, nxt, launched == 1
 
 

@@ -37,7 +37,7 @@ class Verdict:
     n: int  # how many of them the target kept
     token: int  # the target's own next token (correction or bonus): the new y
     taps: dict | None  # target hidden states at the kept inputs [y, d0 .. d(n-1)]
-    logprobs: mx.array | list  # [n + 1, V] the target's log-probabilities of the emitted tokens (lazy; or n + 1 rows [V])
+    logprobs: mx.array  # [n + 1, V] the target's log-probabilities of the emitted tokens (lazy)
     size: int  # rows drafted and verified (>= len(proposed))
     depth: int | None = None  # a tree's levels (None: a chain, its size)
 

@@ -16,7 +16,7 @@ worker evaluating them, OpenBLAS), and each loop's ratio to mlx-lm's `stream_gen
 
 On a fast GPU the main thread is the step's host time; here it is also what limits a
 step (its CPU time per token is close to the wall time per token). Needs valgrind
-(Linux; `apt-get install valgrind`). A few minutes on 2 cores.
+(Linux; `apt-get install valgrind`). About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
