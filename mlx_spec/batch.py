@@ -43,7 +43,7 @@ from .batch_policy import choose_lengths, draft_lengths, plain_next
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter
-from .rows import Response, Row
+from .rows import Response, Row, propose
 
 log = logging.getLogger("mlx_spec")
 PREFILL_CHUNK = 512  # prompt tokens fed per step while other rows decode
@@ -258,8 +258,9 @@ class BatchDecoder:
         events = []
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
             row.stats.tree_steps += v.depth is not None  # verified as a tree
-            if row.shape_pick is not None:
-                row.shapes.observe(row.shape_pick, v.n + 1, row.lengths.seconds(v.size))
+            if row.shape_pick is not None:  # a lone timed row: what the step took, its drafting
+                alone = learn is not None and len(rows) == 1 and row.lengths.timed  # included
+                row.shapes.observe(row.shape_pick, v.n + 1, learn if alone else row.lengths.seconds(v.size))
                 row.shape_pick = None
             events.append((row.uid, row.verified(v, k, gain, learn if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds
@@ -274,10 +275,14 @@ class BatchDecoder:
             if row.req.max_tokens is not None:
                 k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
             ks.append(k)
+        cache = self.batch if self.batch is not None else rows[0].cache
+        for row, k in zip(rows, ks):  # auto's tree shape, before drafting when the drafter can take it
+            if (k and getattr(row.drafter, "plans_trees", bool)() and isinstance(row.lengths, AdaptiveK)
+                    and self._trees_verify(row, cache, len(rows))):
+                row.drafter.plan_tree(self._pick_shape(row))
         drafts = propose(rows, ks)
         for row, k, d in zip(rows, ks, drafts):
             row.offer = (k, d.size)  # asked, proposed (before any trimming)
-        cache = self.batch if self.batch is not None else rows[0].cache
         drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
         if len(rows) > 1 and any(d.size for d in drafts):
             drafts = _trimmed(self.model, rows, drafts)
@@ -294,21 +299,31 @@ class BatchDecoder:
         (said once)."""
         if draft.parents is None or tree.is_chain(draft.parents):
             return draft if draft.parents is None else tree.as_chain(draft)
-        if tree.tree_capable(cache, self.model if width > 1 else None) and not row.req.logits_processors:
-            if not isinstance(row.lengths, AdaptiveK):  # a fixed k: the shape asked for
-                return draft
-            row.shapes = row.shapes or tree.ShapeChoice()
-            from .distributed import agree_lengths  # a sharded target: rank 0's pick on every rank
-
-            # auto: how much of the tree, by what each has paid (timed: ranks may differ)
-            row.shape_pick = agree_lengths(self.model, [(row.shapes.pick(), None)])[0][0]
-            return row.shapes.apply(draft, row.shape_pick)
+        if self._trees_verify(row, cache, width):
+            if not isinstance(row.lengths, AdaptiveK) or row.shape_pick is not None:
+                return draft  # a fixed k: the shape asked for; or auto's, drafted as picked
+            shape = self._pick_shape(row)
+            return row.shapes.apply(draft, shape)
         if not self._said_chain:
             self._said_chain = True
             log.info("draft trees need a target with plain KV caches (in a batch, also ropes that "
                      "take a position per row) and no logits processors; verifying their first "
                      "branch as a chain instead")
         return tree.as_chain(draft)
+
+    def _trees_verify(self, row: Row, cache: list, width: int) -> bool:
+        """Whether this step can verify a tree (plain KV layers, ropes that take a position per
+        row in a batch, no logits processors)."""
+        return tree.tree_capable(cache, self.model if width > 1 else None) and not row.req.logits_processors
+
+    def _pick_shape(self, row: Row) -> int:
+        """auto: how much of the tree, by what each shape has paid (on a sharded target every
+        rank takes rank 0's pick: timed choices may differ between ranks)."""
+        from .distributed import agree_lengths
+
+        row.shapes = row.shapes or tree.ShapeChoice()
+        row.shape_pick = agree_lengths(self.model, [(row.shapes.pick(), None)])[0][0]
+        return row.shape_pick
 
     # ---- leaving -----------------------------------------------------------------------
     def _finish(self, row: Row) -> None:
@@ -339,32 +354,6 @@ class BatchDecoder:
         if row is not None:
             with mx.stream(generation_stream):
                 row.settle(seen)
-
-
-def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
-    """Each row's draft of k tokens (k = 0: none). Rows whose drafters can propose together
-    (the same `together()` key: forks of one draft model) do so, one forward per depth."""
-    if not any(ks):
-        return [EMPTY] * len(rows)
-    groups: dict = {}
-    for i, (row, k) in enumerate(zip(rows, ks)):
-        key = k > 0 and len(rows) > 1 and getattr(row.drafter, "together", None)
-        groups.setdefault((key and key()) or ("alone", i), []).append(i)
-    drafts = [EMPTY] * len(rows)
-    for key, members in groups.items():
-        group = [rows[i] for i in members]
-        if len(members) > 1:
-            made = type(group[0].drafter).propose_together(
-                [r.drafter for r in group], [r.y for r in group], [ks[i] for i in members],
-                [r.req.sampling for r in group], [r.rng_key(2) for r in group])
-        elif ks[members[0]] > 0:
-            group[0].seed_rng(2)
-            made = [group[0].drafter.propose(group[0].y, ks[members[0]], group[0].req.sampling)]
-        else:
-            continue
-        for i, d in zip(members, made):
-            drafts[i] = d
-    return drafts
 
 
 def _plain_next(model, rows: list[Row]) -> bool:

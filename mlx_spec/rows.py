@@ -17,6 +17,7 @@ import mlx.core as mx
 
 from . import prompt_cache
 from .cache import Checkpoint, _layers, _snapshot_attrs
+from .drafters.base import EMPTY, Draft
 from .request import Request
 from .stats import SpecStats
 from .taps import Taps
@@ -254,3 +255,29 @@ class Row:
         self.consumed = want
         held = None if self.hist is None else self.hist.tokens + self.req.prompt + tuple(self.out)
         prompt_cache.settle(self.cache, held, self.drafter, self.later, seen, self.out[-1], taps)
+
+
+def propose(rows: list[Row], ks: list[int]) -> list[Draft]:
+    """Each row's draft of k tokens (k = 0: none). Rows whose drafters can propose together
+    (the same `together()` key: forks of one draft model) do so, one forward per depth."""
+    if not any(ks):
+        return [EMPTY] * len(rows)
+    groups: dict = {}
+    for i, (row, k) in enumerate(zip(rows, ks)):
+        key = k > 0 and len(rows) > 1 and getattr(row.drafter, "together", None)
+        groups.setdefault((key and key()) or ("alone", i), []).append(i)
+    drafts = [EMPTY] * len(rows)
+    for key, members in groups.items():
+        group = [rows[i] for i in members]
+        if len(members) > 1:
+            made = type(group[0].drafter).propose_together(
+                [r.drafter for r in group], [r.y for r in group], [ks[i] for i in members],
+                [r.req.sampling for r in group], [r.rng_key(2) for r in group])
+        elif ks[members[0]] > 0:
+            group[0].seed_rng(2)
+            made = [group[0].drafter.propose(group[0].y, ks[members[0]], group[0].req.sampling)]
+        else:
+            continue
+        for i, d in zip(members, made):
+            drafts[i] = d
+    return drafts

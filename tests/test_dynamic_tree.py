@@ -16,6 +16,7 @@ import tiny
 from mlx_spec import dynamic_tree, tree
 from mlx_spec.sampling import Sampling
 from runs import mlx_lm_greedy as reference
+from test_tree import spy_picks
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7, 2, 5, 6]
 
@@ -270,3 +271,42 @@ def test_a_recurrent_draft_still_drafts_chains():
         out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=12, num_draft_tokens=4))
         assert [r.token for r in out] == reference(target, PROMPT, 12)
         assert out[-1].stats.tree_steps == 0
+
+
+class Planned(mlx_spec.DraftModelDrafter):
+    """Records each proposal: the shape `auto` planned for it, the draft, the tree forwards."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.made, self.deep = [], 0
+
+    def propose(self, y, k, sampling):
+        plan, self.deep = self._plan, 0
+        draft = super().propose(y, k, sampling)
+        self.made.append((plan, draft, self.deep))
+        return draft
+
+    def _tree_logits(self, *a):
+        self.deep += 1
+        return super()._tree_logits(*a)
+
+
+@pytest.mark.usefixtures("untimed_seeded_rows")
+def test_auto_plans_each_tree_before_it_is_drafted(monkeypatch):
+    """`auto` picks a dynamic tree's shape before drafting it: a chain pick drafts a chain (no
+    tree forward of the draft model at all), a half or a quarter pick grows a tree of that
+    budget (not a whole tree cut afterwards), and the output stays the target's."""
+    picks = spy_picks(monkeypatch)
+    target = tiny.llama_model(seed=2)
+    d = Planned(noisy_draft(), tree_budget=8, tree_width=4)
+    out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=60,
+                                        num_draft_tokens="auto", seed=0))
+    assert [r.token for r in out] == reference(target, PROMPT, 60)
+    assert [plan for plan, _, _ in d.made] == picks and set(picks) == set(tree.ShapeChoice.SHAPES), picks
+    for plan, draft, deep in d.made:
+        if plan == 0:
+            assert draft.parents is None and deep == 0
+        else:
+            assert draft.size <= -(-8 // plan)  # (the whole tree's first nodes would be cut to it)
+    assert any(draft.parents is not None and not tree.is_chain(draft.parents) for _, draft, _ in d.made)
+

@@ -1,6 +1,8 @@
 """Draft trees: one forward verifies every node as if its path had been fed alone; the cache
 keeps exactly the accepted path; the output is the target's, greedy and sampled."""
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import mlx_spec
 from mlx_spec import learned
 import tiny
 from mlx_spec import tree
-from mlx_spec.drafters.base import Draft
+from mlx_spec.drafters.base import Draft, PlansTrees
 from runs import mlx_lm_greedy as reference
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7]
@@ -148,6 +150,7 @@ class Always:
         return lo
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # shapes weighed by the calibrated costs below
 @pytest.mark.parametrize("drafter, trees_pay", [(Forks, True), (RightFirst, False)])
 def test_auto_verifies_trees_only_where_they_pay(drafter, trees_pay, monkeypatch):
     """auto picks per step between the whole tree and its first branch by tokens per
@@ -157,7 +160,7 @@ def test_auto_verifies_trees_only_where_they_pay(drafter, trees_pay, monkeypatch
                         lambda model, n_max=17, recalibrate=False: [1e-3 * (1 + 0.1 * n) for n in range(n_max)])
     model = tiny.llama_model(seed=2)
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter(model, PROMPT, 60),
-                                        max_tokens=60, num_draft_tokens="auto", seed=0))  # timing-free
+                                        max_tokens=60, num_draft_tokens="auto", seed=0))
     assert [r.token for r in out] == reference(model, PROMPT, 60)
     s = out[-1].stats
     steps = s.target_forwards
@@ -178,6 +181,7 @@ class Deep(Forks):
         super().__init__(model, prompt, n, depth=4)
 
 
+@pytest.mark.usefixtures("untimed_seeded_rows")  # shapes weighed by the calibrated costs below
 @pytest.mark.parametrize("wide, want", [("cheap", 1), ("dear", 2)])
 def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
     """auto also verifies a tree's first half or quarter of nodes: with cheap wide verifies the
@@ -185,14 +189,7 @@ def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
     steep = 0.0 if wide == "cheap" else 1.0
     monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=17, recalibrate=False:
                         [1e-3 * (1 + 0.05 * n + steep * max(n - 4, 0)) for n in range(n_max)])
-    picks = []
-
-    class Spy(tree.ShapeChoice):
-        def pick(self):
-            picks.append(super().pick())
-            return picks[-1]
-
-    monkeypatch.setattr(tree, "ShapeChoice", Spy)
+    picks = spy_picks(monkeypatch)
     model = tiny.llama_model(seed=2)
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Deep(model, PROMPT, 120),
                                         max_tokens=120, num_draft_tokens="auto", seed=0))
@@ -201,6 +198,56 @@ def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
     settled = picks[len(tree.ShapeChoice.SHAPES):]  # after each shape's first try
     assert settled.count(want) > 0.75 * len(settled), picks
 
+
+
+def spy_picks(monkeypatch) -> list[int]:
+    """Every shape `auto` picks, in order."""
+    picks = []
+
+    class Spy(tree.ShapeChoice):
+        def pick(self):
+            picks.append(super().pick())
+            return picks[-1]
+
+    monkeypatch.setattr(tree, "ShapeChoice", Spy)
+    return picks
+
+
+class DearForks(Forks, PlansTrees):
+    """Forks whose trees are planned before drafting and take `slow` seconds to draft; a chain
+    (planned shape 0) costs nothing and is always wrong at its first token."""
+
+    tree_budget = 8
+
+    def __init__(self, model, prompt, n, slow):
+        super().__init__(model, prompt, n)
+        self.slow, self.made = slow, []
+
+    def propose(self, y, k, sampling):
+        budget = self.step_budget()
+        if budget is None:
+            self.made.append(0)
+            return Draft(mx.array([(self.want[self.done] + 1) % tiny.VOCAB], mx.uint32))
+        self.made.append(budget)
+        time.sleep(self.slow)
+        return super().propose(y, k, sampling)
+
+
+@pytest.mark.parametrize("slow, want", [(0.0, "tree"), (0.05, "chain")])
+def test_a_lone_rows_tree_shape_is_weighed_with_its_drafting_time(slow, want, monkeypatch):
+    """Timed: the shapes are compared by tokens per second of the whole step, drafting included,
+    and drafted as planned. Trees keep tokens here and the chain never does, so by the verify's
+    cost alone the tree always wins; when drafting a tree takes 50 ms, the chain does."""
+    picks = spy_picks(monkeypatch)
+    model = tiny.llama_model(seed=2)
+    drafter = DearForks(model, PROMPT, 120, slow)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter, max_tokens=120,
+                                        num_draft_tokens="auto"))
+    assert [r.token for r in out] == reference(model, PROMPT, 120)
+    assert drafter.made == [8 // s if s else 0 for s in picks]  # each drafted as planned
+    settled = picks[len(tree.ShapeChoice.SHAPES):]
+    chains = settled.count(0)
+    assert len(settled) >= 10 and (chains > 0.75 * len(settled) if want == "chain" else chains < 0.25 * len(settled)), picks
 
 def test_a_recurrent_target_verifies_the_first_branch_as_a_chain():
     model = tiny.qwen3_5_model()

@@ -155,6 +155,30 @@ class SavesState:
             setattr(_get(self, owner) if owner else self, name, copy.deepcopy(value))
 
 
+class PlansTrees:
+    """What a drafter that grows dynamic trees (`tree_budget`) offers `auto`: the next
+    proposal's shape is chosen before it is drafted (`plan_tree`: the whole budget, half or a
+    quarter of it, or a chain), so a step that verifies a chain or a small tree pays only its
+    own draft forwards, not a full tree's (`mlx_spec.tree.ShapeChoice`)."""
+
+    tree_budget: int | None = None
+    _plan = 1  # the next proposal's shape (ShapeChoice.SHAPES); one proposal only
+
+    def plans_trees(self) -> bool:
+        """Whether proposals are dynamic trees, so `plan_tree` shapes them."""
+        return self.tree_budget is not None
+
+    def plan_tree(self, shape: int) -> None:
+        self._plan = shape
+
+    def step_budget(self) -> int | None:
+        """This proposal's node budget (None: draft a chain); the plan is used up."""
+        shape, self._plan = self._plan, 1
+        if self.tree_budget is None or shape == 0:
+            return None
+        return -(-self.tree_budget // shape)
+
+
 def _get(obj, path: str):
     for name in path.split("."):
         obj = getattr(obj, name)

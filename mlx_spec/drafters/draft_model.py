@@ -30,13 +30,13 @@ from ..cache import Checkpoint, make_cache
 from ..calibration import spent_once
 from ..overlap import overlapped
 from ..sampling import Sampling
-from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, pick, vocab_size
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, pick, vocab_size
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
 
 
-class DraftModelDrafter(SavesState):
+class DraftModelDrafter(SavesState, PlansTrees):
     """Draft with `draft_model`; pass its tokenizer to have the vocabularies compared."""
 
     STATE = ("cache", "_pending")  # committed state (SavesState)
@@ -132,9 +132,9 @@ class DraftModelDrafter(SavesState):
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows = [], None
         b = self.branches
-        if self._grows:  # EAGLE-2: deeper where the draft is sure, wider where it is not
+        budget = self.step_budget() if self._grows else None  # (None: a chain this step)
+        if budget is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
             self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
-            budget = self.tree_budget
             draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget),
                                                   width=self.tree_width, budget=budget, sampling=sampling)
             self._k = max(draft.size, 1)
@@ -154,6 +154,9 @@ class DraftModelDrafter(SavesState):
         self._k, self._main = depth, mx.stack([t[0] for t in tops])
         parents = tuple(-1 if d == 0 else (d - 1) * b for d in range(depth) for _ in range(b))
         return Draft(mx.concatenate(tops), parents=parents)
+
+    def plans_trees(self) -> bool:
+        return self._grows
 
     def together(self):
         """Rows whose drafters share a draft model and draft chains on plain KV caches propose

@@ -37,11 +37,11 @@ from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import decoder_stack, embedding
 from ..base import (
-    EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head, vocab_size,
+    EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, check_target, target_lm_head, vocab_size,
 )
 
 
-class EagleDrafter(SavesState):
+class EagleDrafter(SavesState, PlansTrees):
     """Chain drafter around an `Eagle1Head` or `Eagle3Head` (see mlx_spec.drafters.eagle.heads)."""
 
     STATE = ("cache", "_feats", "_toks")  # committed state (SavesState)
@@ -105,8 +105,9 @@ class EagleDrafter(SavesState):
         feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
         self._feats, self._toks, self._y_fed = None, [], True
         feat = feat[:, -1:]  # [1, 1, H]
-        if self.tree_budget is not None:
-            return self._grow(feat[0], self._lm(out[0, -1]), k, sampling)
+        budget = self.step_budget()
+        if budget is not None:
+            return self._grow(feat[0], self._lm(out[0, -1]), k, budget, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the head's own feature at the next position
             nonlocal feat
@@ -116,7 +117,7 @@ class EagleDrafter(SavesState):
         self._chained = k - 1
         return chain(self._lm(out[0, -1]), k, sampling, step, self._pick)
 
-    def _grow(self, feat: mx.array, logits: mx.array, k: int, sampling: Sampling) -> Draft:
+    def _grow(self, feat: mx.array, logits: mx.array, k: int, budget: int, sampling: Sampling) -> Draft:
         """An EAGLE-2 dynamic tree from the root's feature [1, H] and logits."""
         base, fed = self.cache[0].offset, [feat]  # fed[-1]: the features the last depth produced
 
@@ -129,7 +130,6 @@ class EagleDrafter(SavesState):
             fed.append(nxt[0])
             return self._lm(out[0])
 
-        budget = self.tree_budget
         draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
                                      sampling=sampling, token_ids=self._d2t)
         self._chained = self.cache[0].offset - base  # every tree row: commit drops them all

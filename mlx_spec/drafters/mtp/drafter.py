@@ -27,14 +27,14 @@ from ... import dynamic_tree, tree
 from ...cache import rollback
 from ...sampling import Sampling
 from ...taps import FINAL_NORM, decoder_stack, embedding, layer_count
-from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, SavesState, chain, check_target, target_lm_head
+from ..base import EMPTY, MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, check_target, target_lm_head
 from .head import MTPConfig, MTPHead
 
 SAME_MTP = ("Use the MTP weights of this very model: its own checkpoint folder, or a head "
             "converted with --target pointing at it.")
 
 
-class MTPDrafter(SavesState):
+class MTPDrafter(SavesState, PlansTrees):
     """Draft with an `MTPHead`; the head's weights are already loaded."""
 
     STATE = ("cache", "_hidden", "_tokens")  # committed state (SavesState)
@@ -98,8 +98,9 @@ class MTPDrafter(SavesState):
         logits, fed = self._run(hidden, mx.array(self._tokens + [int(y)], mx.uint32))
         logits, fed = logits[-1], fed[-1:]  # [V], [1, H]: the committed prefix is fed
         self._hidden, self._tokens = [], []
-        if self.tree_budget is not None:
-            return self._grow(fed, logits, k, sampling)
+        budget = self.step_budget()
+        if budget is not None:
+            return self._grow(fed, logits, k, budget, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the module's own output stands in for h
             nonlocal fed
@@ -109,7 +110,7 @@ class MTPDrafter(SavesState):
         self._drafted = k - 1
         return chain(logits, k, sampling, step)
 
-    def _grow(self, fed: mx.array, logits: mx.array, k: int, sampling: Sampling) -> Draft:
+    def _grow(self, fed: mx.array, logits: mx.array, k: int, budget: int, sampling: Sampling) -> Draft:
         """An EAGLE-2 dynamic tree from the root's fed-back hidden state [1, H] and logits."""
         base, feds = self.cache[0].offset, [fed]  # feds[-1]: what the last depth feeds back
 
@@ -121,7 +122,6 @@ class MTPDrafter(SavesState):
             feds.append(nxt)
             return logits
 
-        budget = self.tree_budget
         draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
                                      sampling=sampling)
         self._drafted = self.cache[0].offset - base  # every tree row: commit drops them all
