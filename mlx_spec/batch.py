@@ -260,7 +260,8 @@ class BatchDecoder:
             row.stats.tree_steps += v.depth is not None  # verified as a tree
             if row.shape_pick is not None:  # a lone timed row: what the step took, its drafting
                 alone = learn is not None and len(rows) == 1 and row.lengths.timed  # included
-                row.shapes.observe(row.shape_pick, v.n + 1, learn if alone else row.lengths.seconds(v.size))
+                spent = learn if alone else row.lengths.seconds(v.size)
+                row.lengths.shapes.observe(row.shape_pick, v.n + 1, spent)
                 row.shape_pick = None
             events.append((row.uid, row.verified(v, k, gain, learn if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds
@@ -303,7 +304,7 @@ class BatchDecoder:
             if not isinstance(row.lengths, AdaptiveK) or row.shape_pick is not None:
                 return draft  # a fixed k: the shape asked for; or auto's, drafted as picked
             shape = self._pick_shape(row)
-            return row.shapes.apply(draft, shape)
+            return row.lengths.shapes.apply(draft, shape)
         if not self._said_chain:
             self._said_chain = True
             log.info("draft trees need a target with plain KV caches (in a batch, also ropes that "
@@ -321,8 +322,9 @@ class BatchDecoder:
         rank takes rank 0's pick: timed choices may differ between ranks)."""
         from .distributed import agree_lengths
 
-        row.shapes = row.shapes or tree.ShapeChoice()
-        row.shape_pick = agree_lengths(self.model, [(row.shapes.pick(), None)])[0][0]
+        policy = row.lengths  # (its ShapeChoice carries over to the next request, as its tables do)
+        policy.shapes = policy.shapes or tree.ShapeChoice()
+        row.shape_pick = agree_lengths(self.model, [(policy.shapes.pick(), None)])[0][0]
         return row.shape_pick
 
     # ---- leaving -----------------------------------------------------------------------

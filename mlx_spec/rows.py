@@ -65,8 +65,7 @@ class Row:
         self.later = None  # the last step's kept (tokens, taps), told to the drafter later
         self.last = None  # (Checkpoint, kept) of the last single-row step
         self.lengths = None  # draft-length policy, set when the row starts decoding
-        self.shapes = None  # tree.ShapeChoice: auto's choice of how much of a tree, when trees come
-        self.shape_pick: int | None = None  # this step's choice (1: the whole tree, 0: a chain)
+        self.shape_pick: int | None = None  # auto's tree shape this step (1: the whole tree, 0: a chain)
         self.steps = 0
         self.offer = (0, 0)  # this step's draft: tokens asked of the drafter, tokens it proposed
         self.finish: str | None = None

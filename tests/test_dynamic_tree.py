@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 import lossless as L
 import mlx_spec
 import tiny
-from mlx_spec import dynamic_tree, tree
+from mlx_spec import dynamic_tree, learned, tree
 from mlx_spec.sampling import Sampling
 from runs import mlx_lm_greedy as reference
 from test_tree import spy_picks
@@ -274,7 +274,8 @@ def test_a_recurrent_draft_still_drafts_chains():
 
 
 class Planned(mlx_spec.DraftModelDrafter):
-    """Records each proposal: the shape `auto` planned for it, the draft, the tree forwards."""
+    """Records each proposal: the shape `auto` planned for it, the draft, the most rows that one
+    depth of its tree fed to the draft model."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
@@ -286,27 +287,32 @@ class Planned(mlx_spec.DraftModelDrafter):
         self.made.append((plan, draft, self.deep))
         return draft
 
-    def _tree_logits(self, *a):
-        self.deep += 1
-        return super()._tree_logits(*a)
+    def _tree_logits(self, tokens, *a):
+        self.deep = max(self.deep, tokens.shape[0])  # the widest depth fed
+        return super()._tree_logits(tokens, *a)
 
 
 @pytest.mark.usefixtures("untimed_seeded_rows")
 def test_auto_plans_each_tree_before_it_is_drafted(monkeypatch):
     """`auto` picks a dynamic tree's shape before drafting it: a chain pick drafts a chain (no
     tree forward of the draft model at all), a half or a quarter pick grows a tree of that
-    budget (not a whole tree cut afterwards), and the output stays the target's."""
+    budget, feeding half the rows a depth (not a whole tree cut afterwards), and the output
+    stays the target's."""
     picks = spy_picks(monkeypatch)
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=17, recalibrate=False:  # deep drafts pay
+                        [1e-5] if n_max == 1 else [1e-3 * (1 + 0.02 * n) for n in range(n_max)])
     target = tiny.llama_model(seed=2)
     d = Planned(noisy_draft(), tree_budget=8, tree_width=4)
     out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=60,
                                         num_draft_tokens="auto", seed=0))
     assert [r.token for r in out] == reference(target, PROMPT, 60)
     assert [plan for plan, _, _ in d.made] == picks and set(picks) == set(tree.ShapeChoice.SHAPES), picks
-    for plan, draft, deep in d.made:
+    for plan, draft, rows in d.made:
         if plan == 0:
-            assert draft.parents is None and deep == 0
-        else:
-            assert draft.size <= -(-8 // plan)  # (the whole tree's first nodes would be cut to it)
+            assert draft.parents is None and rows == 0
+        else:  # (a whole tree cut afterwards would have fed 4 rows a depth)
+            assert draft.size <= -(-8 // plan) and rows <= (4 if plan == 1 else 2)
+    assert {plan for plan, _, rows in d.made if rows} == {1, 2, 4}, d.made  # trees two or more deep
+    assert max(rows for plan, _, rows in d.made if plan == 1) == 4
     assert any(draft.parents is not None and not tree.is_chain(draft.parents) for _, draft, _ in d.made)
 

@@ -224,11 +224,11 @@ class DearForks(Forks, PlansTrees):
         self.slow, self.made = slow, []
 
     def propose(self, y, k, sampling):
-        budget = self.step_budget()
-        if budget is None:
+        shape = self.step_tree()
+        if shape is None:
             self.made.append(0)
             return Draft(mx.array([(self.want[self.done] + 1) % tiny.VOCAB], mx.uint32))
-        self.made.append(budget)
+        self.made.append(shape[0])
         time.sleep(self.slow)
         return super().propose(y, k, sampling)
 
@@ -248,6 +248,12 @@ def test_a_lone_rows_tree_shape_is_weighed_with_its_drafting_time(slow, want, mo
     settled = picks[len(tree.ShapeChoice.SHAPES):]
     chains = settled.count(0)
     assert len(settled) >= 10 and (chains > 0.75 * len(settled) if want == "chain" else chains < 0.25 * len(settled)), picks
+    if want == "chain":  # what paid carries over to the next request: no whole tree tried again first
+        del picks[:]
+        again = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter, max_tokens=60,
+                                              num_draft_tokens="auto"))
+        assert [r.token for r in again] == reference(model, PROMPT, 60)
+        assert len(picks) >= 5 and picks[:3] != [1, 2, 4] and picks.count(0) > 0.75 * len(picks), picks
 
 def test_a_recurrent_target_verifies_the_first_branch_as_a_chain():
     model = tiny.qwen3_5_model()

@@ -156,12 +156,13 @@ class SavesState:
 
 
 class PlansTrees:
-    """What a drafter that grows dynamic trees (`tree_budget`) offers `auto`: the next
-    proposal's shape is chosen before it is drafted (`plan_tree`: the whole budget, half or a
-    quarter of it, or a chain), so a step that verifies a chain or a small tree pays only its
-    own draft forwards, not a full tree's (`mlx_spec.tree.ShapeChoice`)."""
+    """What a drafter that grows dynamic trees (`tree_budget`, `tree_width`) offers `auto`: the
+    next proposal's shape is chosen before it is drafted (`plan_tree`: the whole tree, one with
+    half or a quarter of the nodes and narrower depths, or a chain), so a step that verifies a
+    chain or a small tree pays only its own draft forwards (`mlx_spec.tree.ShapeChoice`)."""
 
     tree_budget: int | None = None
+    tree_width: int = 4
     _plan = 1  # the next proposal's shape (ShapeChoice.SHAPES); one proposal only
 
     def plans_trees(self) -> bool:
@@ -171,12 +172,14 @@ class PlansTrees:
     def plan_tree(self, shape: int) -> None:
         self._plan = shape
 
-    def step_budget(self) -> int | None:
-        """This proposal's node budget (None: draft a chain); the plan is used up."""
+    def step_tree(self) -> tuple[int, int] | None:
+        """This proposal's (node budget, width), None: draft a chain; the plan is used up. A
+        shape s > 1 keeps 1/s of the nodes and feeds 1/s of the rows at each depth (at least 2:
+        a narrower tree is a chain), which is what makes it cheaper to draft."""
         shape, self._plan = self._plan, 1
         if self.tree_budget is None or shape == 0:
             return None
-        return -(-self.tree_budget // shape)
+        return -(-self.tree_budget // shape), min(self.tree_width, max(2, -(-self.tree_width // shape)))
 
 
 def _get(obj, path: str):

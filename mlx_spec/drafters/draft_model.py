@@ -132,11 +132,12 @@ class DraftModelDrafter(SavesState, PlansTrees):
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows = [], None
         b = self.branches
-        budget = self.step_budget() if self._grows else None  # (None: a chain this step)
-        if budget is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
+        shape = self.step_tree() if self._grows else None  # (None: a chain this step)
+        if shape is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
             self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
+            budget, width = shape
             draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget),
-                                                  width=self.tree_width, budget=budget, sampling=sampling)
+                                                  width=width, budget=budget, sampling=sampling)
             self._k = max(draft.size, 1)
             return draft
         if b == 1 or k < 2:

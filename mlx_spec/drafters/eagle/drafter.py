@@ -105,9 +105,9 @@ class EagleDrafter(SavesState, PlansTrees):
         feat, out = self.head(self._embed(toks[None]), self._feats[None], self.cache)
         self._feats, self._toks, self._y_fed = None, [], True
         feat = feat[:, -1:]  # [1, 1, H]
-        budget = self.step_budget()
-        if budget is not None:
-            return self._grow(feat[0], self._lm(out[0, -1]), k, budget, sampling)
+        shape = self.step_tree()
+        if shape is not None:
+            return self._grow(feat[0], self._lm(out[0, -1]), k, *shape, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the head's own feature at the next position
             nonlocal feat
@@ -117,7 +117,7 @@ class EagleDrafter(SavesState, PlansTrees):
         self._chained = k - 1
         return chain(self._lm(out[0, -1]), k, sampling, step, self._pick)
 
-    def _grow(self, feat: mx.array, logits: mx.array, k: int, budget: int, sampling: Sampling) -> Draft:
+    def _grow(self, feat: mx.array, logits: mx.array, k: int, budget: int, width: int, sampling: Sampling) -> Draft:
         """An EAGLE-2 dynamic tree from the root's feature [1, H] and logits."""
         base, fed = self.cache[0].offset, [feat]  # fed[-1]: the features the last depth produced
 
@@ -130,7 +130,7 @@ class EagleDrafter(SavesState, PlansTrees):
             fed.append(nxt[0])
             return self._lm(out[0])
 
-        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
+        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=width, budget=budget,
                                      sampling=sampling, token_ids=self._d2t)
         self._chained = self.cache[0].offset - base  # every tree row: commit drops them all
         return draft

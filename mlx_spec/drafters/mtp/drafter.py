@@ -98,9 +98,9 @@ class MTPDrafter(SavesState, PlansTrees):
         logits, fed = self._run(hidden, mx.array(self._tokens + [int(y)], mx.uint32))
         logits, fed = logits[-1], fed[-1:]  # [V], [1, H]: the committed prefix is fed
         self._hidden, self._tokens = [], []
-        budget = self.step_budget()
-        if budget is not None:
-            return self._grow(fed, logits, k, budget, sampling)
+        shape = self.step_tree()
+        if shape is not None:
+            return self._grow(fed, logits, k, *shape, sampling)
 
         def step(t: mx.array) -> mx.array:  # chain: the module's own output stands in for h
             nonlocal fed
@@ -110,7 +110,7 @@ class MTPDrafter(SavesState, PlansTrees):
         self._drafted = k - 1
         return chain(logits, k, sampling, step)
 
-    def _grow(self, fed: mx.array, logits: mx.array, k: int, budget: int, sampling: Sampling) -> Draft:
+    def _grow(self, fed: mx.array, logits: mx.array, k: int, budget: int, width: int, sampling: Sampling) -> Draft:
         """An EAGLE-2 dynamic tree from the root's fed-back hidden state [1, H] and logits."""
         base, feds = self.cache[0].offset, [fed]  # feds[-1]: what the last depth feeds back
 
@@ -122,7 +122,7 @@ class MTPDrafter(SavesState, PlansTrees):
             feds.append(nxt)
             return logits
 
-        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=self.tree_width, budget=budget,
+        draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=width, budget=budget,
                                      sampling=sampling)
         self._drafted = self.cache[0].offset - base  # every tree row: commit drops them all
         return draft
