@@ -259,9 +259,9 @@ class BatchDecoder:
         for row, v, (k, gain) in zip(list(rows), verdicts, choices):
             row.stats.tree_steps += v.depth is not None  # verified as a tree
             if row.shape_pick is not None:  # a lone timed row: what the step took, its drafting
-                alone = learn is not None and len(rows) == 1 and row.lengths.timed  # included
-                spent = learn if alone else row.lengths.seconds(v.size)
-                row.lengths.shapes.observe(row.shape_pick, v.n + 1, spent)
+                p = row.lengths  # included; else its prediction, in the same units (`scale`)
+                alone = learn is not None and len(rows) == 1 and p.timed
+                p.shapes.observe(row.shape_pick, v.n + 1, learn if alone else p.seconds(v.size) * (p.scale or 1.0))
                 row.shape_pick = None
             events.append((row.uid, row.verified(v, k, gain, learn if len(rows) == 1 else None)))
             row.stats.step_seconds += seconds

@@ -61,12 +61,15 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
 
 
 def policy_file(model, drafter, sampling) -> Path:
-    """Where what a policy learned is kept: per model, drafter kind and sampling mode."""
+    """Where what a policy learned is kept: per model, drafter kind (and tree budget) and sampling
+    mode."""
     parent = getattr(drafter, "forked_from", lambda: None)() or drafter
     kind = type(parent).__name__
     draft_model = getattr(parent, "model", None)
     if draft_model is not None:
         kind += "-" + model_key(draft_model)
+    if getattr(parent, "tree_budget", None) is not None:  # trees learn apart from the same kind's chains
+        kind += f"-tree{parent.tree_budget}"
     mode = "greedy" if sampling is None or sampling.greedy else "sampled"
     return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
 
@@ -105,6 +108,8 @@ def _learned(policy: AdaptiveK) -> dict:
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
     data["timing"] = TIMING_VERSION
+    if policy.shapes is not None:  # tokens per second each tree shape gave (`tree.ShapeChoice`)
+        data["tree_shapes"] = {str(k): v for k, v in policy.shapes.rate.items() if v is not None}
     if getattr(policy, "frees", None) is not None:  # `SourceChoice`: the free source's own
         data["frees"], data["free_share"] = [_learned(p) for p in policy.frees], policy.free_share
     return data
@@ -136,6 +141,10 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
     if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
         policy.scale = data["scale"]
         policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
+        if data.get("tree_shapes"):
+            from .tree import ShapeChoice
+
+            policy.shapes = ShapeChoice.known({int(k): float(v) for k, v in data["tree_shapes"].items()})
     if frees is not None:
         policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
         for p, learned in zip(frees, data["frees"]):

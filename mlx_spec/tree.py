@@ -328,7 +328,8 @@ class ShapeChoice:
     run over several rows, and a drafter that plans its trees, `PlansTrees`, drafts only the
     shape picked); otherwise the draft-length policy's predicted cost (seeded runs repeat).
     Each shape is tried once first, then every `EXPLORE`-th step one of the others, in turn,
-    so a change in what pays is noticed."""
+    so a change in what pays is noticed. What the shapes gave is kept with the draft-length policy
+    (`learned`): the next request, and the next process, start from it."""
 
     SHAPES = (1, 2, 4, 0)  # verify the first 1/s of the tree's nodes; 0: its first branch
     EXPLORE, EMA = 8, 0.2
@@ -336,6 +337,13 @@ class ShapeChoice:
     def __init__(self):
         self.rate: dict[int, float | None] = dict.fromkeys(self.SHAPES)
         self.picks = 0
+
+    @classmethod
+    def known(cls, rates: dict[int, float]) -> ShapeChoice:
+        """One that starts from the rates an earlier process measured (unknown shapes: untried)."""
+        new = cls()
+        new.rate.update({s: r for s, r in rates.items() if s in new.rate and r > 0})
+        return new
 
     def pick(self) -> int:
         self.picks += 1
