@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 import lossless as L
 import mlx_spec
 import tiny
-from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter, tree
+from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter, learned, tree
 from mlx_spec.batch_cache import BatchCheckpoint, merge
 from runs import mlx_lm_greedy as reference
 from test_batch import batched_runs, drain
@@ -124,3 +124,28 @@ def test_a_window_target_in_a_batch_verifies_first_branches():
     out, widths = drain(decoder)
     assert max(widths) == 2 and all(out[u] == reference(model, p, 20) for u, p in zip(uids, PROMPTS))
     assert all(decoder.last_stats[u].tree_steps == 0 for u in uids)
+
+
+def test_auto_rows_in_a_batch_plan_their_dynamic_trees_before_drafting(monkeypatch):
+    """In a batch too, `auto` picks each row's tree shape before the row's draft model drafts
+    it (a chain pick drafts a chain, a smaller shape a smaller tree), and every row's greedy
+    output is its solo output."""
+    from test_dynamic_tree import Planned, noisy_draft
+
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=17, recalibrate=False:  # deep drafts pay
+                        [1e-5] if n_max == 1 else [1e-3 * (1 + 0.02 * n) for n in range(n_max)])
+    model, made = tiny.llama_model(seed=2), []
+
+    def drafter():
+        made.append(Planned(noisy_draft(), tree_budget=8, tree_width=4))
+        return made[-1]
+
+    res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, drafter, max_tokens=60,
+                                  num_draft_tokens="auto")
+    for p, got in zip(PROMPTS, res.tokens):
+        assert got == reference(model, p, 60)
+    assert all(max(s.batch_sizes) == 3 for s in res.stats) and sum(s.tree_steps for s in res.stats) > 0
+    steps = [step for d in made for step in d.made]
+    assert {plan for plan, _, _ in steps} == {0, 1, 2, 4}, steps
+    for plan, draft, rows in steps:
+        assert (draft.parents is None and rows == 0) if plan == 0 else draft.size <= -(-8 // plan)
