@@ -61,10 +61,13 @@ def test_greedy_through_head_trees_is_plain_decoding_and_the_cache_is_the_contex
         seen.append((len(tokens), d.cache[0].offset + d._feats.shape[0]))
 
     d.commit = commit
+    plans, real_plan = [], d.plan_tree
+    d.plan_tree = lambda shape: (plans.append(shape), real_plan(shape))[1]
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, d, max_tokens=24,
                                         num_draft_tokens=k, seed=0))
     assert [r.token for r in out] == reference(model, PROMPT, 24)
     assert out[-1].stats.tree_steps > 0
+    assert (k != "auto") == (plans == []) and (k != "auto" or {0, 1} <= set(plans)), plans  # chains planned too
     # after each commit, the head's rows plus its waiting features are exactly the target's
     # committed positions: every tree row was dropped
     fed = len(PROMPT)

@@ -57,9 +57,12 @@ def test_greedy_through_mtp_trees_is_plain_and_the_cache_is_the_context(made, k)
         seen.append((len(tokens), d.cache[0].offset + sum(h.shape[0] for h in d._hidden)))
 
     d.commit = commit
+    plans, real_plan = [], d.plan_tree
+    d.plan_tree = lambda shape: (plans.append(shape), real_plan(shape))[1]
     out = list(mlx_spec.stream_generate(model, tok, PROMPT, d, max_tokens=30, num_draft_tokens=k, seed=0))
     assert [r.token for r in out] == reference(model, PROMPT, 30)
     assert out[-1].stats.tree_steps > 0
+    assert (k != "auto") == (plans == []) and (k != "auto" or {0, 1} <= set(plans)), plans  # chains planned too
     fed = len(PROMPT)  # committed target positions: every tree row was trimmed at commit
     for n, rows in seen:
         fed += n
