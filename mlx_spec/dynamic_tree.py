@@ -61,6 +61,50 @@ def scores(logits: mx.array, sampling: Sampling) -> mx.array:
     return mx.log(sampling.probs(logits))
 
 
+class Calibration:
+    """What a drafter's probabilities are worth as odds that the target keeps a node. EAGLE-2
+    ranks nodes by the product of the drafter's probabilities along their paths, as if those
+    were the odds; a small draft model is often underconfident (on the Qwen2.5-Coder pair the
+    target kept 80-100% of the 0.5B draft's top tokens given probability 0.5-0.7). So, per bin
+    of the drafter's probability p, and apart for a parent's most probable child and for its
+    runner-ups, the rate at which the target kept such nodes over the p it was given is learned
+    from every node verified (its parent kept), starting at 1 (`PRIOR` pseudo-observations at
+    the bin's middle); a node's value is the product of min(1, p * factor) along its path."""
+
+    BINS, PRIOR = 10, 4.0
+
+    def __init__(self):
+        mid = (np.arange(self.BINS) + 0.5) / self.BINS
+        self.kept = np.tile(mid * self.PRIOR, (2, 1))  # [best child, runner-up][bin]: kept nodes
+        self.offered = self.kept.copy()  # the same nodes' summed drafter probabilities
+        self._log: mx.array | None = None
+
+    def log_factors(self) -> mx.array:
+        """[2 * BINS] log(kept / offered): row 0 for best children, row 1 for runner-ups."""
+        if self._log is None:
+            self._log = mx.array(np.log(self.kept / self.offered).reshape(-1), mx.float32)
+        return self._log
+
+    def values(self, lq: mx.array) -> mx.array:
+        """Calibrated log-values of children [..., w] with log-probabilities `lq`, best first."""
+        bins = mx.clip(mx.floor(mx.exp(lq) * self.BINS), 0, self.BINS - 1).astype(mx.int32)
+        runner_up = (mx.arange(lq.shape[-1]) > 0).astype(mx.int32)
+        return mx.minimum(lq + self.log_factors()[runner_up * self.BINS + bins], 0.0)
+
+    def learn(self, nodes: dict, tokens) -> None:
+        """`nodes`: each verified node's path -> (p, best child?); `tokens`: the step's anchor,
+        then the tokens the target kept and its own next one (a node at depth d was examined
+        when its parent was kept, and kept when it is the target's token there)."""
+        tokens = list(tokens)
+        for path, (p, best) in nodes.items():
+            d = len(path)
+            if d < len(tokens) and list(path[:-1]) == tokens[1:d]:
+                r, b = 1 - int(best), min(int(p * self.BINS), self.BINS - 1)
+                self.kept[r, b] += path[-1] == tokens[d]
+                self.offered[r, b] += p
+                self._log = None
+
+
 def _top(x: mx.array, w: int) -> mx.array:
     """Indices of the w largest entries of each row, largest first."""
     idx = mx.argpartition(-x, kth=w - 1, axis=-1)[..., :w]
@@ -69,20 +113,25 @@ def _top(x: mx.array, w: int) -> mx.array:
 
 
 def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: int,
-         sampling: Sampling, token_ids: mx.array | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
+         sampling: Sampling, token_ids: mx.array | None = None, calibration: Calibration | None = None,
+         nodes: dict | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """A dynamic tree of at most `budget` nodes and `depth` levels below the root whose
     next-token logits are `root_logits` [V]; (the draft, {node path: fed row}). `token_ids`
-    maps the logits' index to a target token id (a head's own smaller vocabulary)."""
+    maps the logits' index to a target token id (a head's own smaller vocabulary). With a
+    `calibration`, nodes are valued by it, and `nodes` gets each kept node's path -> (drafter
+    probability, best child?) for `Calibration.learn`."""
     w = max(1, min(width, budget, root_logits.shape[-1]))
+    value = (lambda lq: lq) if calibration is None else calibration.values  # noqa: E731
 
     def ids(i: mx.array) -> mx.array:
         return (i if token_ids is None else token_ids[i]).astype(mx.uint32)
 
     lq = scores(root_logits, sampling)
     top = _top(lq, w)
-    tok, val = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
+    tok, raw = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
+    val = value(raw)
     slots = None
-    levels = [(tok, val)]  # per depth: every candidate's token and value
+    levels = [(tok, val, raw)]  # per depth: every candidate's token, value, log-probability
     fronts = []  # per depth < `depth`: the frontier's candidate indices (depth 1: all, in order)
     anc = mx.eye(w, dtype=mx.bool_)  # the frontier's ancestry over the tree rows fed so far
     front_tok, front_val = tok, val
@@ -91,16 +140,19 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
         # the depth d - 1 frontier sits at position base + d - 2; the cache holds (d - 2) * w tree rows
         lq = scores(step(front_tok, slots, anc, (d - 2) * (1 - w)), sampling)  # [w, V]
         kids = _top(lq, w)  # [w, w]
-        c_val = (mx.take_along_axis(lq, kids, axis=-1) + front_val[:, None]).reshape(-1)
+        c_raw = mx.take_along_axis(lq, kids, axis=-1)
+        c_val = (value(c_raw) + front_val[:, None]).reshape(-1)
         c_tok = ids(kids.reshape(-1))
-        levels.append((c_tok, c_val))
+        levels.append((c_tok, c_val, c_raw.reshape(-1)))
         if d < depth:
             sel = _top(c_val, w)  # the next frontier: the depth's w best candidates
             slots = sel // w
             anc = mx.concatenate([anc[slots], mx.eye(w, dtype=mx.bool_)], axis=1)
             front_tok, front_val = c_tok[sel], c_val[sel]
     mx.eval(levels, fronts)  # the one sync: the tree's shape is needed on the host
-    return select([(t.tolist(), v.tolist()) for t, v in levels], [f.tolist() for f in fronts], w, budget)
+    probs = None if nodes is None else [np.exp(np.array(r)).tolist() for _, _, r in levels]
+    return select([(t.tolist(), v.tolist()) for t, v, _ in levels], [f.tolist() for f in fronts], w, budget,
+                  probs, nodes)
 
 
 def best_paths(row: Callable[[int, mx.array], mx.array], y: int, *, depth: int, budget: int,
@@ -117,11 +169,13 @@ def best_paths(row: Callable[[int, mx.array], mx.array], y: int, *, depth: int, 
     return draft
 
 
-def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]], w: int,
-           budget: int) -> tuple[Draft, dict[tuple[int, ...], int]]:
+def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]], w: int, budget: int,
+           probs: list[list[float]] | None = None, nodes: dict | None = None,
+           ) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """The host half of `grow`: rerank every candidate, keep the best `budget`, list them
     breadth-first. Candidate c of depth d >= 2 is child c % w of frontier slot c // w of
-    depth d - 1, i.e. of candidate fronts[d - 2][c // w] of that depth."""
+    depth d - 1, i.e. of candidate fronts[d - 2][c // w] of that depth (so it is its parent's
+    best child when c % w == 0). `nodes` gets each kept node's path -> (probs entry, best?)."""
     cands = []  # (-value, depth, index) of every finite candidate
     for d, (_, vals) in enumerate(levels, 1):
         cands += [(-v, d, c) for c, v in enumerate(vals) if np.isfinite(v)]
@@ -148,5 +202,7 @@ def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]],
             index[(d, c)] = len(tokens)
             tokens.append(levels[d - 1][0][c])
             parents.append(p)
+            if nodes is not None:
+                nodes[path(d, c)] = (probs[d - 1][c], c % w == 0)
     fed = {path(d + 1, c): d * w + s for d, front in enumerate(fronts) for s, c in enumerate(front)}
     return Draft(mx.array(tokens, mx.uint32), parents=tuple(parents)), fed

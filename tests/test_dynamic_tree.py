@@ -21,20 +21,23 @@ from test_tree import spy_picks
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 3, 5, 6, 7, 2, 5, 6]
 
 
-def brute_force(logits_of, depth: int, width: int, budget: int) -> set[tuple[int, ...]]:
+def brute_force(logits_of, depth: int, width: int, budget: int, worth=None) -> set[tuple[int, ...]]:
     """EAGLE-2 by enumeration, in float64: expand the `width` best nodes of each depth by
-    cumulative log-probability with their `width` best tokens, keep the `budget` best of all."""
+    cumulative log-probability with their `width` best tokens, keep the `budget` best of all.
+    `worth(p, rank)`: what a child of probability p, its parent's rank-th, adds to its path's
+    value (default: log p)."""
     def logq(path):
         x = np.asarray(logits_of(path), np.float64)
         return x - np.log(np.exp(x - x.max()).sum()) - x.max()
 
+    worth = worth or (lambda p, rank: np.log(p))
     value, frontier = {(): 0.0}, [()]
     for _ in range(depth):
         born = {}
         for p in frontier:
             lq = logq(p)
-            for t in np.argsort(-lq)[:width]:
-                born[p + (int(t),)] = value[p] + lq[t]
+            for rank, t in enumerate(np.argsort(-lq)[:width]):
+                born[p + (int(t),)] = value[p] + worth(np.exp(lq[t]), rank)
         value.update(born)
         frontier = sorted(born, key=lambda q: -born[q])[:width]
     del value[()]
@@ -166,6 +169,49 @@ def test_a_real_draft_model_grows_the_brute_force_tree():
 
     assert set(paths_of(proposal)) == brute_force(logits_of, 6, 3, 10)
     assert max(tree.depths(proposal.parents)) >= 3
+
+
+def test_calibration_learns_from_the_nodes_the_target_examined():
+    cal = dynamic_tree.Calibration()
+    nodes = {(5,): (0.55, True), (6,): (0.3, False), (5, 7): (0.62, True), (5, 8): (0.21, False),
+             (6, 9): (0.9, True), (5, 7, 4): (0.97, True)}
+    cal.learn(nodes, [11, 5, 7, 1])  # the target kept 5 and 7, then said 1
+    seen = cal.offered - dynamic_tree.Calibration().offered
+    kept = cal.kept - dynamic_tree.Calibration().kept
+    # examined: (5,) kept, (6,) not, (5, 7) kept, (5, 8) not, (5, 7, 4) not; (6, 9)'s parent was not kept
+    assert np.allclose(seen[0], [0, 0, 0, 0, 0, 0.55, 0.62, 0, 0, 0.97]) and np.allclose(kept[0][[5, 6, 9]], [1, 1, 0])
+    assert np.allclose(seen[1], [0, 0, 0.21, 0.3, 0, 0, 0, 0, 0, 0]) and kept[1].sum() == 0
+    for _ in range(200):  # best children at p ~ 0.55 nearly always kept: worth nearly 1
+        cal.learn({(5,): (0.55, True)}, [11, 5, 2])
+    worth = np.exp(np.array(cal.values(mx.log(mx.array([[0.55, 0.3]])))))[0]
+    assert worth[0] > 0.95  # runner-ups at 0.3: bin 3's prior (1.4 kept of 1.4 offered) and one not kept
+    assert worth[1] == pytest.approx(0.3 * 1.4 / (1.4 + 0.3), rel=1e-4)
+
+
+def test_calibrated_trees_are_the_brute_force_with_calibrated_values():
+    """A draft model's dynamic tree with a learned calibration keeps exactly the nodes a
+    brute force keeps when each child adds log min(1, p * factor) for its bin and rank; and
+    here that is another tree than the uncalibrated one, so the check can tell them apart."""
+    target, draft = tiny.llama_model(seed=2), noisy_draft()
+    d = mlx_spec.DraftModelDrafter(draft, tree_budget=10, tree_width=3)
+    d.bind(target, None)
+    d.prefill(PROMPT, None)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # best children kept often whatever p; runner-ups rarely
+        p = float(rng.uniform(0.05, 1.0))
+        d.calibration.learn({(3,): (p, True), (4,): (p / 3, False)}, [11, 3 if rng.random() < 0.95 else 4])
+    factors = np.exp(np.array(d.calibration.log_factors())).reshape(2, -1)
+    assert factors[0][:8].min() > 1.2 and factors[1][:4].max() < 0.8  # (runner-ups reach p / 3 < 0.34)
+
+    def worth(p, rank):
+        return np.log(min(1.0, p * factors[int(rank > 0), min(int(p * 10), 9)]))
+
+    def logits_of(path):
+        return np.array(draft(mx.array([PROMPT + [11, *path]]))[0, -1])
+
+    got = set(paths_of(d.propose(11, 6, Sampling())))
+    assert got == brute_force(logits_of, 6, 3, 10, worth)
+    assert got != brute_force(logits_of, 6, 3, 10)
 
 
 @pytest.mark.parametrize("width", [1, 3])

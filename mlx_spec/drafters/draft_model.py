@@ -28,12 +28,16 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
 from ..calibration import spent_once
+from ..identity import IdentityMap
 from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, pick, vocab_size
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
+
+
+_CALIBRATIONS = IdentityMap()  # draft model -> target -> dynamic_tree.Calibration
 
 
 class DraftModelDrafter(SavesState, PlansTrees):
@@ -61,6 +65,8 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._k = 0  # size of the outstanding proposal (0: none)
         self._ckpt: Checkpoint | None = None
         self._checked = None  # the target tokenizer the vocabularies were last compared with
+        self.calibration: dynamic_tree.Calibration | None = None  # (`bind`: per draft model and target)
+        self._nodes: dict = {}  # this proposal's tree nodes: path -> (probability, best child?)
 
     def bind(self, model, tokenizer) -> None:
         v_t, v_d = vocab_size(model), vocab_size(self.model)
@@ -77,6 +83,9 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self.cache = make_cache(self.model)
         self._pending, self._k = [], 0
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
+        # what this draft's probabilities are worth to this target, learned from the tree nodes
+        # verified, by every drafter of the process with the same two models
+        self.calibration = _CALIBRATIONS.setdefault(self.model, IdentityMap).setdefault(model, dynamic_tree.Calibration)
         if self.tree_budget is not None and not self._grows:
             log.warning("tree_budget: this draft model's cache is not plain KV layers (sliding-window "
                         "or recurrent), so it drafts chains instead of dynamic trees")
@@ -136,8 +145,11 @@ class DraftModelDrafter(SavesState, PlansTrees):
         if shape is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
             self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
             budget, width = shape
-            draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget),
-                                                  width=width, budget=budget, sampling=sampling)
+            self._nodes = {}  # greedy only: a seeded sampled request's tree must not depend on earlier ones
+            cal = self.calibration if sampling.greedy else None
+            draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget), width=width,
+                                                  budget=budget, sampling=sampling, calibration=cal,
+                                                  nodes=self._nodes if cal else None)
             self._k = max(draft.size, 1)
             return draft
         if b == 1 or k < 2:
@@ -236,6 +248,9 @@ class DraftModelDrafter(SavesState, PlansTrees):
         # gathered into place when they are not already the block's first rows, and queues
         # the rest of the committed tokens.
         rows = self._rows
+        if self._nodes:  # a dynamic tree: what its nodes' probabilities were worth
+            self.calibration.learn(self._nodes, tokens)
+            self._nodes = {}
         if rows is None:
             main = self._main.tolist()[: self._k - 1]
             rows = {tuple(main[: i + 1]): i for i in range(len(main))}
