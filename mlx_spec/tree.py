@@ -321,14 +321,14 @@ def trie(sequences: Sequence[Sequence[int]], budget: int) -> tuple[list[int], tu
 
 
 class ShapeChoice:
-    """Per request: how much of a drafter's tree to verify: all of it, its first half or
+    """Per draft-length policy: how much of a drafter's tree to verify: all of it, its first half or
     quarter of nodes (breadth-first, parents first: still a tree), or only its first branch
     (a chain), whichever has given more tokens per second of step: for a request decoded alone
     with a timed policy, the step's wall time, its drafting included (a tree's draft forwards
     run over several rows, and a drafter that plans its trees, `PlansTrees`, drafts only the
     shape picked); otherwise the draft-length policy's predicted cost (seeded runs repeat).
     Each shape is tried once first, then every `EXPLORE`-th step one of the others, in turn,
-    so a change in what pays is noticed. What the shapes gave is kept with the draft-length policy
+    so a change in what pays is noticed. What the shapes gave is kept with the policy
     (`learned`): the next request, and the next process, start from it."""
 
     SHAPES = (1, 2, 4, 0)  # verify the first 1/s of the tree's nodes; 0: its first branch
