@@ -81,7 +81,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
             )
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
-        self._pending, self._k = [], 0
+        self._pending, self._k, self._nodes = [], 0, {}
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
         # verified, by every drafter of the process with the same two models
@@ -139,13 +139,13 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._catch_up()
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         logits = self._logits(mx.array(self._fed, mx.uint32))
-        self._pending, self._rows = [], None
+        self._pending, self._rows, self._nodes = [], None, {}
         b = self.branches
         shape = self.step_tree() if self._grows else None  # (None: a chain this step)
         if shape is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
             self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
             budget, width = shape
-            self._nodes = {}  # greedy only: a seeded sampled request's tree must not depend on earlier ones
+            # greedy only: a seeded sampled request's tree must not depend on earlier ones
             cal = self.calibration if sampling.greedy else None
             draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget), width=width,
                                                   budget=budget, sampling=sampling, calibration=cal,
