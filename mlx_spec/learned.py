@@ -61,8 +61,8 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
 
 
 def policy_file(model, drafter, sampling) -> Path:
-    """Where what a policy learned is kept: per model, drafter kind (and tree budget) and sampling
-    mode."""
+    """Where what a policy learned is kept: per model, drafter kind (tree budget, lookup-guided
+    or not) and sampling mode."""
     parent = getattr(drafter, "forked_from", lambda: None)() or drafter
     kind = type(parent).__name__
     draft_model = getattr(parent, "model", None)
@@ -70,6 +70,8 @@ def policy_file(model, drafter, sampling) -> Path:
         kind += "-" + model_key(draft_model)
     if getattr(parent, "tree_budget", None) is not None:  # trees learn apart from the same kind's chains
         kind += f"-tree{parent.tree_budget}"
+    if getattr(parent, "lookup", True) is False:  # unguided chains draft at another cost
+        kind += "-nolookup"
     mode = "greedy" if sampling is None or sampling.greedy else "sampled"
     return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
 

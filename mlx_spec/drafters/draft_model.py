@@ -8,6 +8,14 @@ sync, so the draft joins the step's single graph. After verification it trims
 its cache to the committed prefix; a fully accepted block leaves d[k-1]
 unconsumed, so that token is queued for the next proposal.
 
+Lookup-guided chains (`lookup=True`, the default; greedy, plain KV draft caches): when
+the committed text has an earlier occurrence of its last few tokens (prompt lookup,
+`NGramIndex`), what followed it is fed as a guess in the proposal's first forward; the
+draft model's argmax at each guessed position says how far the guess is its own chain,
+and it goes on token by token from the first disagreement. The draft is the same chain
+(the draft model's own argmax tokens), drafted in one forward instead of one per token
+where the text repeats itself. The guess's rows past the agreement are trimmed off.
+
 Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
 `tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
 (`mlx_spec.dynamic_tree`): each depth's frontier is fed in one forward with a tree mask
@@ -32,6 +40,7 @@ from ..identity import IdentityMap
 from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, pick, vocab_size
+from .ngram import NGramIndex
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
@@ -43,13 +52,13 @@ _CALIBRATIONS = IdentityMap()  # draft model -> target -> dynamic_tree.Calibrati
 class DraftModelDrafter(SavesState, PlansTrees):
     """Draft with `draft_model`; pass its tokenizer to have the vocabularies compared."""
 
-    STATE = ("cache", "_pending")  # committed state (SavesState)
+    STATE = ("cache", "_pending", "_index")  # committed state (SavesState)
 
     taps: tuple[int, ...] = ()
     max_draft = MAX_DRAFT
 
     def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1,
-                 tree_budget: int | None = None, tree_width: int = 4):
+                 tree_budget: int | None = None, tree_width: int = 4, lookup: bool = True):
         if not (isinstance(branches, int) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
         dynamic_tree.check_settings(tree_budget, tree_width)
@@ -57,6 +66,9 @@ class DraftModelDrafter(SavesState, PlansTrees):
             raise ValueError("branches (fixed runner-up leaves) and tree_budget (an EAGLE-2 dynamic "
                              "tree) are two tree shapes: give one of them")
         self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
+        self.lookup = bool(lookup)  # guesses from prompt lookup, checked in one forward
+        self._index = NGramIndex(2, 4)  # the committed text (prompt included), for the guesses
+        self.guessed = [0, 0]  # guessed tokens fed, of them the draft's own (what lookup paid)
         self._grows = False  # tree_budget on a draft cache that can take tree blocks (`bind`)
         self.model = draft_model
         self.tokenizer = draft_tokenizer
@@ -82,6 +94,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
         self._pending, self._k, self._nodes = [], 0, {}
+        self._index = NGramIndex(2, 4)
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
         # verified, by every drafter of the process with the same two models
@@ -114,6 +127,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         """Queue the prompt: the draft reads it when it first drafts (`backlog`), so a request
         whose policy never drafts (a short answer to a long prompt) never pays for it."""
         self._pending += list(tokens)  # after restore_state, queued tokens come first
+        self._index.extend(tokens)
 
     @property
     def backlog(self) -> int:
@@ -138,6 +152,12 @@ class DraftModelDrafter(SavesState, PlansTrees):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._catch_up()
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
+        guess = self._guess(y, k, sampling)
+        if guess:
+            self._pending, self._rows, self._nodes = [], None, {}
+            draft = self._guided(guess, k, sampling)
+            self._k, self._main = k, draft.tokens
+            return draft
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows, self._nodes = [], None, {}
         b = self.branches
@@ -167,6 +187,38 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._k, self._main = depth, mx.stack([t[0] for t in tops])
         parents = tuple(-1 if d == 0 else (d - 1) * b for d in range(depth) for _ in range(b))
         return Draft(mx.concatenate(tops), parents=parents)
+
+    def _guess(self, y: int, k: int, sampling: Sampling) -> list[int]:
+        """Prompt lookup's continuation of the committed text + y, up to k - 1 tokens, when
+        this proposal is a greedy chain on plain KV layers (else none)."""
+        if not (self.lookup and k >= 2 and sampling.greedy and self.branches == 1 and not self._grows
+                and all(type(c) is KVCache for c in self.cache)):
+            return []
+        found = self._index.lookup(self._index.tokens, y, k - 1)
+        return found[0] if found else []
+
+    def _guided(self, guess: list[int], k: int, sampling: Sampling) -> Draft:
+        """The draft's greedy chain of k tokens, with `guess` fed in its first forward: the
+        argmax after y and after each guessed token, read once; the chain is the guess as far as
+        it agrees with those, then the draft's own token there, then one forward a token."""
+        m = len(guess)
+        with overlapped(self.model):
+            out = self.model(mx.array(self._fed + guess, mx.uint32)[None], cache=self.cache)[0, -(m + 1):]
+        top = mx.argmax(self._layout(out), axis=-1).tolist()  # (a host read: how far the guess held)
+        agreed = 0
+        while agreed < m and top[agreed] == guess[agreed]:
+            agreed += 1
+        self.guessed[0] += m
+        self.guessed[1] += agreed
+        if agreed < m:  # the rows of the guess past the agreement are not the chain's
+            for c in self.cache:
+                c.trim(m - agreed)
+        head = mx.array(top[: agreed + 1], mx.uint32)
+        rest = k - agreed - 1
+        if rest == 0:
+            return Draft(head)
+        more = chain(self._logits(head[-1:]), rest, sampling, self._logits)
+        return Draft(mx.concatenate([head, more.tokens]))
 
     def plans_trees(self) -> bool:
         return self._grows
@@ -239,6 +291,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         tokens = list(tokens)
+        self._index.extend(tokens)
         if not self._k:  # nothing proposed this step: just queue what was kept
             self._pending += tokens
             return

@@ -1,0 +1,100 @@
+"""Lookup-guided draft chains: prompt lookup's continuation is fed as a guess in the draft
+model's first forward, and the chain is the draft model's own argmax chain all the same
+(`DraftModelDrafter(lookup=True)`, the default)."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_spec
+import tiny
+from mlx_spec import DraftModelDrafter
+from mlx_spec.sampling import Sampling
+from runs import mlx_lm_greedy as reference
+
+
+def models():
+    """A target and a draft model (random, tiny) whose greedy text falls into loops."""
+    return tiny.llama_model(), tiny.llama_model(seed=4, layers=2)
+
+
+def loop_text(draft, n: int = 60) -> list[int]:
+    """The draft model's own greedy text from a short start: random tiny models fall into
+    loops, so prompt lookup finds earlier occurrences whose continuation the model repeats."""
+    return [5, 17, 3] + reference(draft, [5, 17, 3], n)
+
+
+def pair(target, draft):
+    out = []
+    for lookup in (True, False):
+        d = DraftModelDrafter(draft, lookup=lookup)
+        d.bind(target, None)
+        out.append(d)
+    return out
+
+
+def test_guided_chains_are_the_draft_models_own_chains():
+    """Every proposal of a guided drafter equals the unguided one's, over steps whose guesses
+    were partly kept, wholly kept and not kept at all; after each commit the draft caches hold
+    the same rows."""
+    target, draft = models()
+    text = loop_text(draft)
+    guided, plain = pair(target, draft)
+    for d in (guided, plain):
+        d.prefill(text[:12], None)
+    pos, outcomes = 12, set()
+    rng = np.random.default_rng(0)
+    while pos < len(text) - 8:
+        y, k = text[pos], int(rng.integers(2, 8))
+        before = list(guided.guessed)
+        got, want = guided.propose(y, k, Sampling()), plain.propose(y, k, Sampling())
+        assert got.tokens.tolist() == want.tokens.tolist() and got.size == k
+        fed, kept = guided.guessed[0] - before[0], guided.guessed[1] - before[1]
+        if fed:
+            outcomes.add("none" if kept == 0 else "all" if kept == fed else "part")
+        n = int(rng.integers(0, k + 1))  # the target keeps a prefix of the draft
+        block = [y] + got.tokens.tolist()[:n]
+        for d in (guided, plain):
+            d.commit(block, None)
+        assert guided._pending == plain._pending and guided.cache[0].offset == plain.cache[0].offset
+        for a, b in zip(guided.cache, plain.cache):
+            m = a.offset
+            assert np.allclose(np.array(a.keys[..., :m, :]), np.array(b.keys[..., :m, :]), atol=1e-4)
+            assert np.allclose(np.array(a.values[..., :m, :]), np.array(b.values[..., :m, :]), atol=1e-4)
+        pos += len(block)
+    assert plain.guessed == [0, 0] and guided.guessed[0] > 0
+    assert {"all", "part", "none"} <= outcomes  # the guess held wholly, and was cut where it stopped
+
+
+def test_guesses_are_left_alone_where_the_chain_cannot_take_them():
+    """Sampled proposals (a draw, not an argmax), k = 1 and unguided drafters feed no guess."""
+    target, draft = models()
+    text = loop_text(draft)
+    guided, _ = pair(target, draft)
+    guided.prefill(text[:20], None)
+    mx.random.seed(0)
+    guided.propose(text[20], 4, Sampling(temp=0.8))
+    guided.commit([text[20]], None)
+    guided.propose(text[21], 1, Sampling())
+    assert guided.guessed == [0, 0]
+    guided.commit([text[21]], None)
+    guided.propose(text[22], 4, Sampling())
+    assert guided.guessed[0] > 0
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_guided_drafting_is_lossless_and_guesses(k):
+    """Greedy output with the default (guided) draft-model drafter is the target's own, on a
+    prompt that repeats itself; along the way guesses were fed, some kept and some not (the
+    draft is the target with noise on its output layer: it mostly, not always, agrees)."""
+    target, draft = tiny.llama_model(seed=4, layers=2), tiny.llama_model(seed=4, layers=2)
+    mx.random.seed(1)
+    w = draft.lm_head.weight
+    draft.lm_head.weight = w + 0.3 * float(w.std()) * mx.random.normal(w.shape)
+    prompt = loop_text(target, 30)
+    want = reference(target, prompt, 40)
+    drafter = DraftModelDrafter(draft)
+    got = [r.token for r in mlx_spec.stream_generate(target, tiny.tokenizer(), prompt, drafter,
+                                                      max_tokens=40, num_draft_tokens=k)]
+    assert got == want
+    assert 0 < drafter.guessed[1] < drafter.guessed[0]
