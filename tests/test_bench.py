@@ -416,6 +416,19 @@ def test_plan_variants_sweeps_k_and_skips_what_cannot_run():
     assert "mlx-lm-draft@auto: not supported by mlx-lm" in plan.skipped
     with pytest.raises(ValueError, match="unknown method"):
         methods.plan_variants(["warp-drive"], [4], ctx)
+    with pytest.raises(ValueError, match="unknown method"):
+        methods.plan_variants(["warp-drive@4"], [4], ctx)
+
+
+def test_a_method_can_fix_its_own_draft_lengths():
+    ctx = methods.Context(model=None, tokenizer=None, draft_model=object())
+    plan = methods.plan_variants(["mlx-lm-draft@4", "draft@auto", "ngram@2", "ngram@auto", "mixed"],
+                                 [8, "auto"], ctx)
+    assert [v.label for v in plan.variants] == ["baseline", "mlx-lm-draft@2", "mlx-lm-draft@4", "draft@auto",
+                                                "ngram@2", "ngram@auto", "mixed@8", "mixed@auto"]
+    plan = methods.plan_variants(["mlx-lm-draft@auto"], [4], ctx)
+    assert [v.label for v in plan.variants] == ["baseline", "mlx-lm-draft@2"]
+    assert plan.skipped == ["mlx-lm-draft@auto: not supported by mlx-lm"]
 
 
 def test_verify_cost_curve_shape():

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", help="head drafter folder for the mtp/eagle/eagle3/dflash/dspark methods")
     p.add_argument("--dtype", default="float32",
                    help="dtype of zoo models (default float32, the fast one on CPUs; bfloat16 on Macs)")
-    p.add_argument("--methods", help=f"comma list (default {DEFAULTS['methods']}; methods whose "
+    p.add_argument("--methods", help=f"comma list (default {DEFAULTS['methods']}; NAME@K runs a method at K "
+                   "alone, e.g. draft@auto,mlx-lm-draft@4; methods whose "
                    "models are not given are skipped; 'baseline' is always run)")
     p.add_argument("--suites", help="comma list of prompt suites (default: all)")
     p.add_argument("--num-draft-tokens", help="comma list of draft lengths to sweep, e.g. 2,4,auto "

@@ -107,10 +107,10 @@ def _ngram(ctx):
     return NGramDrafter()
 
 
-def _draft_model(ctx):
+def _draft_model(ctx, lookup: bool = True):
     from mlx_spec import DraftModelDrafter
 
-    return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer)
+    return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer, lookup=lookup)
 
 
 def _mixed(ctx):
@@ -154,6 +154,9 @@ METHODS: dict[str, Method] = {
                     uses_k=True),
     "draft": Method("draft", "mlx-spec with --draft-model (DraftModelDrafter)",
                     _mlx_spec(_draft_model), uses_k=True, requires=("draft_model",)),
+    "draft-no-lookup": Method("draft-no-lookup", "mlx-spec with --draft-model, its chains never guided "
+                              "by prompt lookup (--no-lookup)", _mlx_spec(lambda ctx: _draft_model(ctx, False)),
+                              uses_k=True, requires=("draft_model",)),
     "mixed": Method("mixed", "mlx-spec with n-gram and --draft-model in one tree (--draft ngram+model)",
                     _mlx_spec(_mixed), uses_k=True, requires=("draft_model",)),
     **{kind: _head(kind) for kind in ("mtp", "eagle", "eagle3", "dflash", "dspark")},
@@ -170,16 +173,25 @@ class Plan:
 
 def plan_variants(names: list[str], ks: list, ctx: Context,
                   table: dict[str, Method] | None = None) -> Plan:
-    """The variants to run, baseline first; methods that cannot run go to `skipped`."""
+    """The variants to run, baseline first; methods that cannot run go to `skipped`.
+
+    A name may fix its own draft lengths (`draft@auto`, `mlx-lm-draft@4`): that method runs
+    at those alone (and at its `default_k`), not at every k of `ks`."""
     table = METHODS if table is None else table
     plan = Plan()
+    own: dict[str, list] = {}
+    for n in names:
+        name, at, k = n.partition("@")
+        if at:
+            own.setdefault(name, []).append(int(k) if k.isdigit() else k)
+    names = list(dict.fromkeys(n.partition("@")[0] for n in names))
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; known: {', '.join(table)}")
     if BASELINE not in names:
         names = [BASELINE, *names]  # every speed-up is relative to it
     for name in names:
-        m = table[name]
+        m, ks_m = table[name], own.get(name, ks)
         why = m.unavailable()
         missing = [r for r in m.requires if getattr(ctx, r, None) is None]
         if why or missing:
@@ -189,8 +201,8 @@ def plan_variants(names: list[str], ks: list, ctx: Context,
         if not m.uses_k:
             plan.variants.append(Variant(m))
             continue
-        wanted = ([m.default_k] if m.default_k is not None else []) + list(ks)
+        wanted = ([m.default_k] if m.default_k is not None else []) + list(ks_m)
         kept = [k for k in dict.fromkeys(wanted) if m.accepts_k(k)]
-        plan.skipped += [f"{name}@{k}: not supported by {m.engine}" for k in ks if not m.accepts_k(k)]
+        plan.skipped += [f"{name}@{k}: not supported by {m.engine}" for k in ks_m if not m.accepts_k(k)]
         plan.variants += [Variant(m, k) for k in kept]
     return plan
