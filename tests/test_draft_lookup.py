@@ -67,19 +67,22 @@ def test_guided_chains_are_the_draft_models_own_chains():
 
 
 def test_guesses_are_left_alone_where_the_chain_cannot_take_them():
-    """Sampled proposals (a draw, not an argmax), k = 1 and unguided drafters feed no guess."""
+    """k = 1 (nothing to guess), trees and unguided drafters feed no guess; sampled chains do."""
     target, draft = models()
     text = loop_text(draft)
-    guided, _ = pair(target, draft)
-    guided.prefill(text[:20], None)
+    guided, plain = pair(target, draft)
+    tree = DraftModelDrafter(draft, branches=2)
+    tree.bind(target, None)
+    for d in (guided, plain, tree):
+        d.prefill(text[:20], None)
+        d.propose(text[20], 1, Sampling())
+        d.commit([text[20]], None)
+        d.propose(text[21], 4, Sampling())
+        d.commit([text[21]], None)
+    assert plain.guessed == tree.guessed == [0, 0] and guided.guessed[0] == 3
     mx.random.seed(0)
-    guided.propose(text[20], 4, Sampling(temp=0.8))
-    guided.commit([text[20]], None)
-    guided.propose(text[21], 1, Sampling())
-    assert guided.guessed == [0, 0]
-    guided.commit([text[21]], None)
-    guided.propose(text[22], 4, Sampling())
-    assert guided.guessed[0] > 0
+    guided.propose(text[22], 4, Sampling(temp=0.8))
+    assert guided.guessed[0] == 6
 
 
 @pytest.mark.parametrize("k", [3, 8])

@@ -78,7 +78,20 @@ CASES = {
                          dict(temp=1.0), runs=1200, cache=quantized_cache),
     # EOS = token 5 ends the text: as an accepted draft, a correction or a bonus
     "eos": Case(v8_llama, near_draft(), dict(temp=1.0), runs=1500, eos=5, first_share=0.7, events=60),
+    # lookup-guided chains: prompt lookup's guesses kept with probability q(g), else a draw
+    # from q without g (the draft: the successor target, sharper)
+    "draft-model-guided": Case(v8_successor_llama, lambda m: guided_drafters, dict(temp=1.0), runs=1500,
+                               prompt=SUCCESSOR_PROMPT, first_share=0.6, events=60),
 }
+GUIDED: list = []  # every drafter the guided case made (what their guesses did)
+_GUIDED_DRAFT: list = []
+
+
+def guided_drafters():
+    if not _GUIDED_DRAFT:
+        _GUIDED_DRAFT.append(v8_successor_llama(gain=0.6))
+    GUIDED.append(DraftModelDrafter(_GUIDED_DRAFT[0]))
+    return GUIDED[-1]
 
 # The wrong rule each case is shown to catch, and why it matters there.
 WRONG = {  # (case, rule): (wrong_rule arguments, runs)
@@ -118,7 +131,7 @@ def run(name, runs=None, seed0=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in CASES if n != "eos"])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("eos", "draft-model-guided")])
 def test_sampled_law_at_depth_is_the_targets(name):
     case, *_, joint = build(name)
     runs = run(name)
@@ -171,3 +184,22 @@ def test_the_same_check_catches_a_wrong_rule(monkeypatch, name, rule):
     kw, runs = WRONG[(name, rule)]
     use_rule(monkeypatch, wrong_rule(**kw))
     assert_caught(run(name, runs, seed0=10_000), joint)
+
+
+@pytest.mark.slow
+def test_lookup_guided_sampled_chains_keep_the_targets_law(monkeypatch):
+    """Sampled draft chains whose guesses came from prompt lookup: every draft token is still
+    distributed as the q it reports, so the output is the target's; guesses were kept and
+    refused often. Keeping a guess more often than q says (with probability sqrt(q(g))) is
+    caught by the same check."""
+    from mlx_spec.drafters import draft_model
+
+    case, *_, joint = build("draft-model-guided")
+    GUIDED.clear()
+    runs = run("draft-model-guided")
+    assert_deep(runs, share=case.first_share, events=case.events)
+    assert_lossless(runs, joint)
+    fed, kept = sum(d.guessed[0] for d in GUIDED), sum(d.guessed[1] for d in GUIDED)
+    assert kept >= 300 and fed - kept >= 300, (fed, kept)
+    monkeypatch.setattr(draft_model, "guess_kept", lambda u, p: u < mx.sqrt(p))
+    assert_caught(run("draft-model-guided", 1500, seed0=10_000), joint)

@@ -8,13 +8,14 @@ sync, so the draft joins the step's single graph. After verification it trims
 its cache to the committed prefix; a fully accepted block leaves d[k-1]
 unconsumed, so that token is queued for the next proposal.
 
-Lookup-guided chains (`lookup=True`, the default; greedy, plain KV draft caches): when
+Lookup-guided chains (`lookup=True`, the default; plain KV draft caches): when
 the committed text has an earlier occurrence of its last few tokens (prompt lookup,
 `NGramIndex`), what followed it is fed as a guess in the proposal's first forward; the
-draft model's argmax at each guessed position says how far the guess is its own chain,
-and it goes on token by token from the first disagreement. The draft is the same chain
-(the draft model's own argmax tokens), drafted in one forward instead of one per token
-where the text repeats itself. The guess's rows past the agreement are trimmed off.
+draft model's choice at each guessed position (its argmax; when sampling, the guessed token
+kept with its probability under q) says how far the guess is its own chain, and it goes on
+token by token from the first disagreement. The draft is the same chain (the same argmax
+tokens; sampled tokens with the same law q), drafted in one forward instead of one per
+token where the text repeats itself. The guess's rows past the agreement are trimmed off.
 
 Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
 `tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
@@ -190,35 +191,49 @@ class DraftModelDrafter(SavesState, PlansTrees):
 
     def _guess(self, y: int, k: int, sampling: Sampling) -> list[int]:
         """Prompt lookup's continuation of the committed text + y, up to k - 1 tokens, when
-        this proposal is a greedy chain on plain KV layers (else none)."""
-        if not (self.lookup and k >= 2 and sampling.greedy and self.branches == 1 and not self._grows
+        this proposal is a chain on plain KV layers (else none)."""
+        if not (self.lookup and k >= 2 and self.branches == 1 and not self._grows
                 and all(type(c) is KVCache for c in self.cache)):
             return []
         found = self._index.lookup(self._index.tokens, y, k - 1)
         return found[0] if found else []
 
     def _guided(self, guess: list[int], k: int, sampling: Sampling) -> Draft:
-        """The draft's greedy chain of k tokens, with `guess` fed in its first forward: the
-        argmax after y and after each guessed token, read once; the chain is the guess as far as
-        it agrees with those, then the draft's own token there, then one forward a token."""
+        """The draft's chain of k tokens, with `guess` fed in its first forward: the draft's
+        distributions after y and after each guessed token, computed at once. The chain takes
+        the guess as far as the draft's own choice agrees with it (greedy: its argmax is the
+        guessed token; sampled: a guessed token g is kept with probability q(g), else the
+        token is drawn from q without g, renormalised, so every draft token is distributed
+        exactly as q, as in an unguided chain), then goes on one forward a token."""
         m = len(guess)
         with overlapped(self.model):
-            out = self.model(mx.array(self._fed + guess, mx.uint32)[None], cache=self.cache)[0, -(m + 1):]
-        top = mx.argmax(self._layout(out), axis=-1).tolist()  # (a host read: how far the guess held)
-        agreed = 0
-        while agreed < m and top[agreed] == guess[agreed]:
-            agreed += 1
+            out = self._layout(self.model(mx.array(self._fed + guess, mx.uint32)[None], cache=self.cache)[0, -(m + 1):])
+        if sampling.greedy:
+            q, top = None, mx.argmax(out, axis=-1).tolist()  # (a host read: how far the guess held)
+            agreed = 0
+            while agreed < m and top[agreed] == guess[agreed]:
+                agreed += 1
+            head = top[: agreed + 1]
+        else:
+            q = sampling.probs(out)  # [m + 1, V]
+            g = mx.array(guess, mx.uint32)
+            kept = guess_kept(mx.random.uniform(shape=(m,)), q[mx.arange(m), g]).tolist()
+            agreed = kept.index(False) if False in kept else m
+            last = q[agreed]
+            if agreed < m:  # the draft's own token there: q without the guessed one
+                last = mx.where(mx.arange(last.shape[0]) == guess[agreed], 0.0, last)
+            head = guess[:agreed] + [mx.random.categorical(mx.log(last)).item()]
+            q = q[: agreed + 1]
         self.guessed[0] += m
         self.guessed[1] += agreed
         if agreed < m:  # the rows of the guess past the agreement are not the chain's
             for c in self.cache:
                 c.trim(m - agreed)
-        head = mx.array(top[: agreed + 1], mx.uint32)
-        rest = k - agreed - 1
+        tokens, rest = mx.array(head, mx.uint32), k - agreed - 1
         if rest == 0:
-            return Draft(head)
-        more = chain(self._logits(head[-1:]), rest, sampling, self._logits)
-        return Draft(mx.concatenate([head, more.tokens]))
+            return Draft(tokens, q)
+        more = chain(self._logits(tokens[-1:]), rest, sampling, self._logits)
+        return Draft(mx.concatenate([tokens, more.tokens]), None if q is None else mx.concatenate([q, more.q]))
 
     def plans_trees(self) -> bool:
         return self._grows
@@ -322,6 +337,12 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._ckpt.keep(kept, fed)
         self._pending = tokens[1 + len(path):]
         self._k, self._ckpt, self._main, self._rows = 0, None, None, None
+
+
+def guess_kept(u: mx.array, p: mx.array) -> mx.array:
+    """Whether each guessed token is kept, given a uniform draw u and its probability p under
+    the draft's q (the rule the sampled-law tests break on purpose)."""
+    return u < p
 
 
 def _check_same_vocab(target_tok, draft_tok) -> None:
