@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"model folder, Hugging Face repo or zoo name (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", default=None,
                    help="drafter: ngram (default), none, mtp, dspark, a converted head folder; with "
-                   "--draft-model: ngram+model (prompt lookup and the draft model; the default with "
-                   "--num-draft-tokens auto) or model (the draft model alone)")
+                   "--draft-model: model (the default: the draft model, its chains guided by prompt "
+                   "lookup) or ngram+model (prompt lookup and the draft model as two sources)")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position (n-gram: earlier "
                    "matches; draft model: its runner-up tokens); 1 (default) drafts chains")
@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "--draft-model, an EAGLE head or --draft mtp, DDTree-style trees with a DFlash or DSpark head; "
                    "default: chains")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="with --draft-model: never feed prompt lookup's guess to the draft model "
+                   "(by default its greedy chains check the guess in their first forward)")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",
@@ -137,19 +140,19 @@ def _local_folder(model_path: str) -> str:
     return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
 
 
-def make_drafter(args, model, model_path: str, mixed_by_default: bool = False):
-    """The drafter the arguments name. `mixed_by_default`: a draft model given without --draft
-    comes with prompt lookup when the draft length is auto (one request at a time, `auto` drafts
-    each step from whichever it expects to pay more: far ahead of the draft model alone on code
-    edits, level overall, behind on some suites; docs/benchmarks.md)."""
+def make_drafter(args, model, model_path: str):
+    """The drafter the arguments name. A draft model given without --draft drafts alone, its
+    chains guided by prompt lookup (`DraftModelDrafter(lookup=True)`: on the Qwen2.5-Coder
+    pair ahead of prompt lookup alone and of the mixed drafter on every suite,
+    docs/benchmarks.md); --draft ngram+model adds prompt lookup as a source of its own."""
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
-        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget)
-        auto = getattr(args, "num_draft_tokens", "auto") == "auto"
-        if args.draft == "ngram+model" or args.draft is None and mixed_by_default and auto:
+        model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget,
+                                                   lookup=not getattr(args, "no_lookup", False))
+        if args.draft == "ngram+model":
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter
     if args.draft in ("ngram+model", "model"):
@@ -197,7 +200,7 @@ def _generate(args, prompt: str) -> int:
         model, tokenizer = mlx_spec.load(model_path)
     for token in args.extra_eos_token:
         add_eos_token(tokenizer, token)
-    drafter = make_drafter(args, model, model_path, mixed_by_default=True)
+    drafter = make_drafter(args, model, model_path)
     ids = encode_prompt(tokenizer, prompt, args.system_prompt, not args.ignore_chat_template)
     if args.recalibrate:
         mlx_spec.calibrate(model)

@@ -143,11 +143,12 @@ def test_compare_prints_the_measured_speed_up_and_trees_and_mixed_drafters_run(f
 
 
 @pytest.mark.parametrize("flags, drafter", [
-    (("--num-draft-tokens", "auto"), "MixedDrafter"),  # auto: prompt lookup too, one source a step
-    (("--draft", "model", "--num-draft-tokens", "auto"), "DraftModelDrafter"),  # the draft model alone
-    (("--num-draft-tokens", "3"), "DraftModelDrafter"),  # a fixed k would merge both: not by default
+    (("--num-draft-tokens", "auto"), "DraftModelDrafter"),  # alone (its chains lookup-guided)
+    (("--draft", "model", "--num-draft-tokens", "auto"), "DraftModelDrafter"),
+    (("--num-draft-tokens", "3"), "DraftModelDrafter"),
+    (("--draft", "ngram+model"), "MixedDrafter"),  # prompt lookup as a source of its own: asked for
 ])
-def test_a_draft_model_comes_with_prompt_lookup_under_auto(folder, capsys, flags, drafter):
+def test_a_draft_model_drafts_alone_unless_ngram_model_is_asked_for(folder, capsys, flags, drafter):
     rc, out, err = _run(folder, capsys, "--prompt", "w3 w4", "-m", "4", "--draft-model", str(folder), *flags)
     assert rc == 0 and drafter in out, err
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft", "model")
@@ -171,3 +172,12 @@ def test_tree_budget_grows_dynamic_trees_with_a_draft_model_and_refuses_bad_valu
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft-model", str(folder),
                       "--tree-budget", "6", "--branches", "2")
     assert rc == 2 and "give one of them" in err
+
+
+def test_no_lookup_drafts_unguided_chains(folder):
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    for flags, lookup in (((), True), (("--no-lookup",), False)):
+        args = parser.parse_args(["--draft", "model", "--draft-model", str(folder), *flags])
+        drafter = generate_cli.make_drafter(args, None, str(folder))
+        assert type(drafter).__name__ == "DraftModelDrafter" and drafter.lookup is lookup

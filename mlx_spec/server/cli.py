@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter: ngram (default), none, mtp, dspark, or a converted head folder; with "
                    "--draft-model: model (the draft model alone, the default) or ngram+model")
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="with --draft-model: never feed prompt lookup's guess to the draft model")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
