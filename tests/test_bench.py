@@ -288,31 +288,42 @@ def test_targets_on_literal_summary():
     assert t["draft model vs mlx-lm's speculative decoding"]["met"]
     assert t["n-gram on code-edit"]["met"]
     assert not t["n-gram on chat"]["met"]  # one chat prompt fell to 0.9x
-    assert "mixed@auto on every suite vs the better of ngram@auto and draft@auto" not in t  # not run
+    every_name = "draft@auto on every suite vs the better of ngram@auto and draft-no-lookup@auto"
+    assert every_name not in t  # not run
 
-    s.update({"mixed@auto": {"all": m(1.6), "code-edit": m(2.0), "chat": m(1.2)},
+    s.update({"draft@auto": {"all": m(1.6), "code-edit": m(2.0), "chat": m(1.2)},
               "ngram@auto": {"all": m(1.1), "code-edit": m(2.2), "chat": m(1.0)},
-              "draft@auto": {"all": m(1.5), "code-edit": m(1.5), "chat": m(1.2)}})
+              "draft-no-lookup@auto": {"all": m(1.5), "code-edit": m(1.5), "chat": m(1.2)}})
     t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
-    vs_mlx_lm = t["mixed@auto (the CLI's default with a draft model) vs mlx-lm's speculative decoding at its best k"]
+    vs_mlx_lm = t["draft@auto (the CLI's default with a draft model) vs mlx-lm's speculative decoding at its best k"]
     assert vs_mlx_lm["value"] == pytest.approx(1.6 / 1.2) and vs_mlx_lm["met"]
-    every = t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]
+    every = t[every_name]
     assert not every["met"] and every["value"] == "1/2 suites" and every["detail"] == "behind on code-edit"
     # With the paired comparison, the detail says whether a shortfall is beyond the noise.
-    h2h = [{"a": "mixed@auto", "b": "ngram@auto",
+    h2h = [{"a": "draft@auto", "b": "ngram@auto",
             "suites": {"code-edit": {"ratio": 0.93, "interval": (0.85, 1.04), "verdict": "level within noise"}}},
-           {"a": "mixed@auto", "b": "mlx-lm-draft@2",
+           {"a": "draft@auto", "b": "mlx-lm-draft@2",
             "suites": {"all": {"ratio": 1.31, "interval": (1.2, 1.4), "verdict": "ahead"}}}]
     t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False, h2h=h2h)}
-    every = t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]
+    every = t[every_name]
     assert not every["met"]  # judged on the medians still
     assert every["detail"] == ("behind on code-edit, head to head 0.93x of ngram@auto "
                                "[90%: 0.85-1.04]: level within noise")
-    assert t[next(n for n in t if n.startswith("mixed@auto (the CLI"))]["detail"].endswith(
+    assert t[next(n for n in t if n.startswith("draft@auto (the CLI"))]["detail"].endswith(
         "head to head 1.31x of mlx-lm-draft@2 [90%: 1.20-1.40]: ahead")
-    s["mixed@auto"]["code-edit"] = m(2.2)  # level with lookup alone: enough
+    s["draft@auto"]["code-edit"] = m(2.2)  # level with lookup alone: enough
     t = {x["name"]: x for x in summary.evaluate_targets(s, {}, greedy=False)}
-    assert t["mixed@auto on every suite vs the better of ngram@auto and draft@auto"]["met"]
+    assert t[every_name]["met"]
+
+
+def test_head_to_head_pairs_put_the_default_against_its_sources_and_mlx_lm():
+    m = {"all": {"speedup": 1.0}}
+    s = {k: m for k in ("baseline", "mlx-lm-draft@2", "mlx-lm-draft@4", "draft@auto", "draft-no-lookup@auto",
+                        "ngram@auto", "mixed@auto")}
+    s["mlx-lm-draft@4"] = {"all": {"speedup": 1.5}}
+    assert summary.head_to_head_pairs(s) == [
+        ("draft@auto", "mlx-lm-draft@4"), ("draft@auto", "ngram@auto"), ("draft@auto", "draft-no-lookup@auto"),
+        ("mixed@auto", "mlx-lm-draft@4"), ("mixed@auto", "draft@auto"), ("mixed@auto", "ngram@auto")]
 
 
 # --- hardware -----------------------------------------------------------------

@@ -61,7 +61,7 @@ PRESETS: dict[str, Preset] = {
         "speculative decoding against mlx-spec's draft-model and n-gram drafters",
         Need("target", "qwen2.5-coder-1.5b-instruct", _ZOO_HOW.format(name="qwen2.5-coder-1.5b-instruct")),
         Need("draft model", "qwen2.5-coder-0.5b-instruct", _ZOO_HOW.format(name="qwen2.5-coder-0.5b-instruct")),
-        methods=("baseline", "mlx-lm-draft", "draft", "ngram"), ks=(2, 4, "auto")),
+        methods=("baseline", "mlx-lm-draft", "draft", "draft-no-lookup", "ngram"), ks=(2, 4, "auto")),
     "mlx-lm-m3max": Preset(
         "mlx-lm-m3max", ("mlx-lm-draft-m3max", "mlx-lm-draft-m2ultra"),
         "mlx-lm's 1.82x on M3 Max: Qwen2.5-32B 4-bit target, Qwen2.5-0.5B 8-bit draft, 4 drafts",

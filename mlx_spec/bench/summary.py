@@ -148,11 +148,12 @@ def head_to_head(records: list[dict], pairs: list[tuple[str, str]],
 def head_to_head_pairs(summary: dict) -> list[tuple[str, str]]:
     """The comparisons the issues' targets are about, among the methods that ran: our draft
     model (its best k) and the mixed drafter against mlx-lm's speculative decoding (its best
-    k), and the mixed drafter against each of its members alone."""
+    k), the CLI's default with a draft model (`DEFAULT_WITH_DRAFT`) against its sources alone,
+    and the mixed drafter against it and against prompt lookup."""
     ours, theirs = best_variant(summary, "draft"), best_variant(summary, "mlx-lm-draft")
-    pairs = [(ours, theirs), ("mixed@auto", theirs), ("mixed@auto", "draft@auto"),
-             ("mixed@auto", "ngram@auto")]
-    return [(a, b) for a, b in pairs if a in summary and b in summary]
+    pairs = [(ours, theirs), (DEFAULT_WITH_DRAFT, theirs), *[(DEFAULT_WITH_DRAFT, m) for m in SOURCES],
+             ("mixed@auto", theirs), ("mixed@auto", "draft@auto"), ("mixed@auto", "ngram@auto")]
+    return list(dict.fromkeys((a, b) for a, b in pairs if a in summary and b in summary and a != b))
 
 
 def summarize(records: list[dict], baseline: str) -> dict[str, dict[str, dict]]:
@@ -194,32 +195,36 @@ def _paired_note(h2h: list[dict] | None, a: str, b: str, suite: str = ALL) -> st
     return f", head to head {row['ratio']:.2f}x of {b} [90%: {lo:.2f}-{hi:.2f}]: {row['verdict']}"
 
 
-def _mixed_targets(summary: dict, theirs: str | None, h2h: list[dict] | None) -> list[dict]:
-    """Issue #18's two for `mlx-spec generate --draft-model D` (the mixed drafter under
-    `auto`): >= 1.25x mlx-lm's speculative decoding at its best k, pooled; and on every suite
-    at least the better of its members alone under `auto`, when both ran."""
-    mixed = summary.get("mixed@auto")
-    if mixed is None:
+DEFAULT_WITH_DRAFT = "draft@auto"  # what `mlx-spec generate --draft-model D` runs: lookup-guided chains
+SOURCES = ("ngram@auto", "draft-no-lookup@auto")  # its two sources alone: prompt lookup, the draft model
+
+
+def _default_targets(summary: dict, theirs: str | None, h2h: list[dict] | None) -> list[dict]:
+    """Issue #18's two for `mlx-spec generate --draft-model D` (the draft model, its chains
+    guided by prompt lookup, under `auto`): >= 1.25x mlx-lm's speculative decoding at its best
+    k, pooled; and on every suite at least the better of prompt lookup alone and the draft model
+    alone (unguided) under `auto`, when both ran."""
+    ours = summary.get(DEFAULT_WITH_DRAFT)
+    if ours is None:
         return []
-    out = []
+    out, name = [], DEFAULT_WITH_DRAFT
     if theirs:
-        a, b = mixed[ALL]["speedup"], summary[theirs][ALL]["speedup"]
+        a, b = ours[ALL]["speedup"], summary[theirs][ALL]["speedup"]
         r = ratio(a, b)
-        out.append(_target("mixed@auto (the CLI's default with a draft model) vs mlx-lm's speculative "
+        out.append(_target(f"{name} (the CLI's default with a draft model) vs mlx-lm's speculative "
                            "decoding at its best k", ">= 1.25x", r, r is not None and r >= 1.25,
-                           f"mixed@auto {a:.2f}x vs {theirs} {b:.2f}x over baseline"
-                           + _paired_note(h2h, "mixed@auto", theirs) if r is not None
+                           f"{name} {a:.2f}x vs {theirs} {b:.2f}x over baseline"
+                           + _paired_note(h2h, name, theirs) if r is not None
                            else "no data"))
-    names = [m for m in ("ngram@auto", "draft@auto") if m in summary]
-    if len(names) == 2:
-        suites = [x for x in mixed if x != ALL]
-        best = {x: max(names, key=lambda m: summary[m].get(x, {}).get("speedup") or 0) for x in suites}
+    if all(m in summary for m in SOURCES):
+        suites = [x for x in ours if x != ALL]
+        best = {x: max(SOURCES, key=lambda m: summary[m].get(x, {}).get("speedup") or 0) for x in suites}
         short = [x for x in suites
-                 if (mixed[x]["speedup"] or 0) < (summary[best[x]].get(x, {}).get("speedup") or 0)]
-        out.append(_target("mixed@auto on every suite vs the better of ngram@auto and draft@auto",
+                 if (ours[x]["speedup"] or 0) < (summary[best[x]].get(x, {}).get("speedup") or 0)]
+        out.append(_target(f"{name} on every suite vs the better of {' and '.join(SOURCES)}",
                            "at least the better", f"{len(suites) - len(short)}/{len(suites)} suites",
                            not short, "behind on " + "; ".join(
-                               x + _paired_note(h2h, "mixed@auto", best[x], x) for x in short)
+                               x + _paired_note(h2h, name, best[x], x) for x in short)
                            if short else "ahead or level everywhere"))
     return out
 
@@ -250,7 +255,7 @@ def evaluate_targets(summary: dict, identical: dict, greedy: bool,
                            ">= 1.15x", r, r is not None and r >= 1.15,
                            f"{ours} {a:.2f}x vs {theirs} {b:.2f}x over baseline"
                            + _paired_note(h2h, ours, theirs)))
-    out += _mixed_targets(summary, theirs, h2h)
+    out += _default_targets(summary, theirs, h2h)
     ng = best_variant(summary, "ngram")
     for suite, goal, op in (("code-edit", 1.4, "at least"), ("chat", 0.95, "never below")):
         if ng and suite in summary[ng]:
