@@ -101,3 +101,51 @@ def test_guided_drafting_is_lossless_and_guesses(k):
                                                       max_tokens=40, num_draft_tokens=k)]
     assert got == want
     assert 0 < drafter.guessed[1] < drafter.guessed[0]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_rows_drafting_together_follow_their_guesses_as_alone(sampled):
+    """In a batch, draft-model rows drafting together (`propose_together`) feed their guesses
+    in the one first forward: each row's draft (and q), guesses kept and draft cache after
+    commit equal its own guided proposal's, with keys split per draw as alone."""
+    target, draft = models()
+    text = loop_text(draft, 90)
+    starts = [12, 17, 22]
+
+    def rows():
+        base, out = DraftModelDrafter(draft), []
+        for s in starts:
+            d = base.fork()
+            d.bind(target, None)
+            d.prefill(text[:s], None)
+            out.append(d)
+        return out
+
+    together, alone = rows(), rows()
+    samplings = [Sampling(temp=0.8) if sampled and i != 1 else Sampling() for i in range(3)]
+    pos, rng = list(starts), np.random.default_rng(1)
+    for step in range(6):
+        ys, ks = [text[p] for p in pos], [int(k) for k in rng.integers(2, 7, 3)]
+        seeds = [10 * step + i for i in range(3)]
+        keys = [None if s.greedy else mx.random.key(seed) for s, seed in zip(samplings, seeds)]
+        got = DraftModelDrafter.propose_together(together, ys, ks, samplings, keys)
+        for i, d in enumerate(alone):
+            mx.random.seed(seeds[i])
+            want = d.propose(ys[i], ks[i], samplings[i])
+            assert got[i].tokens.tolist() == want.tokens.tolist() and got[i].size == ks[i]
+            assert (got[i].q is None) == (want.q is None) == samplings[i].greedy
+            if want.q is not None:
+                assert np.allclose(np.array(got[i].q), np.array(want.q), atol=1e-5)
+        assert together[0].guessed == alone[0].guessed  # (forks of one drafter share the count)
+        for i, (a, b) in enumerate(zip(together, alone)):
+            block = [ys[i]] + got[i].tokens.tolist()[: int(rng.integers(0, ks[i] + 1))]
+            a.commit(block, None)
+            b.commit(block, None)
+            assert a._pending == b._pending and a.cache[0].offset == b.cache[0].offset
+            for ca, cb in zip(a.cache, b.cache):
+                n = ca.offset
+                assert np.allclose(np.array(ca.keys[..., :n, :]), np.array(cb.keys[..., :n, :]), atol=1e-4)
+                assert np.allclose(np.array(ca.values[..., :n, :]), np.array(cb.values[..., :n, :]), atol=1e-4)
+            pos[i] += len(block)
+    fed, kept = together[0].guessed
+    assert fed > 0 and 0 < kept < fed  # guesses were fed together, some kept, some refused

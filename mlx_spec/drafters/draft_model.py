@@ -32,7 +32,7 @@ import time
 from typing import Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import KVCache
 
 from .. import dynamic_tree, tree
 from ..cache import Checkpoint, make_cache
@@ -40,7 +40,7 @@ from ..calibration import spent_once
 from ..identity import IdentityMap
 from ..overlap import overlapped
 from ..sampling import Sampling
-from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, pick, vocab_size
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, vocab_size
 from .ngram import NGramIndex
 
 log = logging.getLogger("mlx_spec")
@@ -69,7 +69,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
         self.lookup = bool(lookup)  # guesses from prompt lookup, checked in one forward
         self._index = NGramIndex(2, 4)  # the committed text (prompt included), for the guesses
-        self.guessed = [0, 0]  # guessed tokens fed, of them the draft's own (what lookup paid)
+        self.guessed = [0, 0]  # guessed tokens fed, of them kept (what lookup paid; forks add to it too)
         self._grows = False  # tree_budget on a draft cache that can take tree blocks (`bind`)
         self.model = draft_model
         self.tokenizer = draft_tokenizer
@@ -199,41 +199,50 @@ class DraftModelDrafter(SavesState, PlansTrees):
         return found[0] if found else []
 
     def _guided(self, guess: list[int], k: int, sampling: Sampling) -> Draft:
-        """The draft's chain of k tokens, with `guess` fed in its first forward: the draft's
-        distributions after y and after each guessed token, computed at once. The chain takes
-        the guess as far as the draft's own choice agrees with it (greedy: its argmax is the
-        guessed token; sampled: a guessed token g is kept with probability q(g), else the
-        token is drawn from q without g, renormalised, so every draft token is distributed
-        exactly as q, as in an unguided chain), then goes on one forward a token."""
+        """The draft's chain of k tokens with `guess` fed in its first forward (`follow`), then
+        one forward a token from the first disagreement."""
         m = len(guess)
         with overlapped(self.model):
             out = self._layout(self.model(mx.array(self._fed + guess, mx.uint32)[None], cache=self.cache)[0, -(m + 1):])
+        head, q = self.follow(out, guess, sampling, lambda: None)
+        if len(head) <= m:  # the rows of the guess past the agreement are not the chain's
+            for c in self.cache:
+                c.trim(m + 1 - len(head))
+        tokens, rest = mx.array(head, mx.uint32), k - len(head)
+        if rest == 0:
+            return Draft(tokens, q)
+        more = chain(self._logits(tokens[-1:]), rest, sampling, self._logits)
+        return Draft(mx.concatenate([tokens, more.tokens]), None if q is None else mx.concatenate([q, more.q]))
+
+    def follow(self, out: mx.array, guess: list[int], sampling: Sampling, key) -> tuple[list[int], mx.array | None]:
+        """The head of a guided chain: the draft's distributions `out` [m + 1, V] after y and
+        after each of the m guessed tokens, computed at once, give the guess as far as the
+        draft's own choice agrees with it (greedy: its argmax is the guessed token; sampled: a
+        guessed token g is kept with probability q(g), else the token there is drawn from q
+        without g, renormalised, so every draft token is distributed exactly as q, as in an
+        unguided chain), then the draft's own token there. Returns the head's tokens (the kept
+        guess and one more) and, sampled, their q rows. `key()`: each draw's random key (None:
+        MLX's global stream). One host read."""
+        m = len(guess)
         if sampling.greedy:
-            q, top = None, mx.argmax(out, axis=-1).tolist()  # (a host read: how far the guess held)
+            q, top = None, mx.argmax(out, axis=-1).tolist()
             agreed = 0
             while agreed < m and top[agreed] == guess[agreed]:
                 agreed += 1
             head = top[: agreed + 1]
         else:
             q = sampling.probs(out)  # [m + 1, V]
-            g = mx.array(guess, mx.uint32)
-            kept = guess_kept(mx.random.uniform(shape=(m,)), q[mx.arange(m), g]).tolist()
+            kept = guess_kept(mx.random.uniform(shape=(m,), key=key()),
+                              q[mx.arange(m), mx.array(guess, mx.uint32)]).tolist()
             agreed = kept.index(False) if False in kept else m
             last = q[agreed]
             if agreed < m:  # the draft's own token there: q without the guessed one
                 last = mx.where(mx.arange(last.shape[0]) == guess[agreed], 0.0, last)
-            head = guess[:agreed] + [mx.random.categorical(mx.log(last)).item()]
+            head = guess[:agreed] + [mx.random.categorical(mx.log(last), key=key()).item()]
             q = q[: agreed + 1]
         self.guessed[0] += m
         self.guessed[1] += agreed
-        if agreed < m:  # the rows of the guess past the agreement are not the chain's
-            for c in self.cache:
-                c.trim(m - agreed)
-        tokens, rest = mx.array(head, mx.uint32), k - agreed - 1
-        if rest == 0:
-            return Draft(tokens, q)
-        more = chain(self._logits(tokens[-1:]), rest, sampling, self._logits)
-        return Draft(mx.concatenate([tokens, more.tokens]), None if q is None else mx.concatenate([q, more.q]))
+        return head, q
 
     def plans_trees(self) -> bool:
         return self._grows
@@ -248,61 +257,11 @@ class DraftModelDrafter(SavesState, PlansTrees):
     @staticmethod
     def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],
                          keys: list) -> list[Draft]:
-        """Each drafter's `propose(y, k, sampling)` in one batched forward per depth.
+        """Each drafter's `propose(y, k, sampling)` in one batched forward per depth
+        (`mlx_spec.drafters.draft_together`)."""
+        from .draft_together import propose_together
 
-        The rows' caches are merged for the step (mlx-lm's left-padded `BatchKVCache`); their
-        new inputs (queued tokens + y, ragged) go in right-padded, the padding then rolled
-        into the left padding; max(k) - 1 one-token forwards chain the drafts; each row's new
-        entries, up to its own k - 1 drafts, are written back into its own cache, which is
-        left as its own `propose` leaves it. `keys`: each row's random key (None: greedy);
-        split per draw as MLX's global stream is, so a seeded row draws what it would alone.
-        """
-        first, B = drafters[0], len(drafters)
-        for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
-            d._catch_up()
-        fed = [d._pending + [y] for d, y in zip(drafters, ys)]
-        for d, f, k in zip(drafters, fed, ks):
-            d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k
-        sizes = [d.cache[0].offset for d in drafters]
-        L, keys = max(map(len, fed)), list(keys)
-        right = [L - len(f) for f in fed]
-        left = [max(sizes) - s + r for s, r in zip(sizes, right)]  # after the roll
-        batch = [BatchKVCache.merge(list(layer)) for layer in zip(*(d.cache for d in drafters))]
-        for c in batch:
-            c.prepare(right_padding=right)
-        inputs = mx.array([f + f[-1:] * r for f, r in zip(fed, right)], mx.uint32)
-        with overlapped(first.model):
-            logits = first.model(inputs, cache=batch)[mx.arange(B), mx.array([len(f) - 1 for f in fed])]
-        for c in batch:
-            c.finalize()
-        steps, qs = [], [[] for _ in drafters]  # steps: each depth's [B] tokens
-        for depth in range(max(ks)):
-            logits = first._layout(logits)
-            if all(s.greedy for s in samplings):  # one argmax over the rows
-                steps.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
-            else:
-                drawn = []
-                for i, s in enumerate(samplings):
-                    sub = None
-                    if keys[i] is not None:
-                        keys[i], sub = mx.random.split(keys[i])
-                    t, q = pick(logits[i], s, key=sub)
-                    drawn.append(t.astype(mx.uint32))
-                    qs[i] += [] if q is None else [q]
-                steps.append(mx.stack(drawn))
-            if depth < max(ks) - 1:
-                with overlapped(first.model):
-                    logits = first.model(steps[-1][:, None], cache=batch)[:, -1]
-        tokens = mx.stack(steps, axis=1)  # [B, max(k)]
-        end = batch[0].size()
-        for i, d in enumerate(drafters):
-            stop = end - (max(ks) - ks[i])  # this row fed its own k - 1 drafts, no more
-            for c, row in zip(batch, d.cache):
-                row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
-                row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
-                row.offset = stop - left[i]
-            d._main = tokens[i, : ks[i]]
-        return [Draft(d._main, mx.stack(q[: k]) if q else None) for d, q, k in zip(drafters, qs, ks)]
+        return propose_together(drafters, ys, ks, samplings, keys)
 
     def commit(self, tokens: Sequence[int], taps) -> None:
         tokens = list(tokens)

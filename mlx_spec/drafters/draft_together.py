@@ -1,0 +1,92 @@
+"""Draft-model rows of a batch drafting together: one batched forward per depth.
+
+The rows' caches are merged for the step (mlx-lm's left-padded `BatchKVCache`); their
+new inputs (queued tokens + y, and the row's lookup guess when it has one: see
+`DraftModelDrafter.follow`), ragged, go in right-padded. After the first forward each
+row's head is known (its first token; for a guided row the guess as far as the draft
+agrees, and one more); the padding and every row's refused guess rows are rolled into
+the left padding, and one-token forwards over the rows chain the rest of the drafts.
+Each row's new entries, up to its own k - 1 drafts, are written back into its own
+cache, which is left as its own `propose` leaves it. `keys`: each row's random key
+(None: greedy); split per draw as MLX's global stream is, so a seeded row draws what it
+would alone.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from ..cache import Checkpoint
+from ..overlap import overlapped
+from ..sampling import Sampling
+from .base import Draft, pick
+
+
+def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],
+                     keys: list) -> list[Draft]:
+    first, B = drafters[0], len(drafters)
+    for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
+        d._catch_up()
+    guesses = [d._guess(y, k, s) for d, y, k, s in zip(drafters, ys, ks, samplings)]
+    fed = [d._pending + [y] for d, y in zip(drafters, ys)]
+    for d, f, k in zip(drafters, fed, ks):
+        d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k
+    inputs = [f + g for f, g in zip(fed, guesses)]
+    sizes = [d.cache[0].offset for d in drafters]
+    L, keys = max(map(len, inputs)), list(keys)
+
+    def draw(i: int):
+        """Row i's next random key (None: greedy)."""
+        if keys[i] is None:
+            return None
+        keys[i], sub = mx.random.split(keys[i])
+        return sub
+
+    batch = [BatchKVCache.merge(list(layer)) for layer in zip(*(d.cache for d in drafters))]
+    x = mx.array([row + row[-1:] * (L - len(row)) for row in inputs], mx.uint32)
+    with overlapped(first.model):
+        out = first.model(x, cache=batch)
+    heads, qs = [], []  # each row's first tokens (an array) and their q rows (lists)
+    for i, (d, f, g, s) in enumerate(zip(drafters, fed, guesses, samplings)):
+        if g:
+            head, q = d.follow(first._layout(out[i, len(f) - 1 : len(f) + len(g)]), g, s, lambda: draw(i))
+            heads.append(mx.array(head, mx.uint32))
+            qs.append([] if q is None else list(q))
+        else:
+            t, q = pick(first._layout(out[i, len(f) - 1]), s, key=draw(i))
+            heads.append(t.astype(mx.uint32).reshape(1))
+            qs.append([] if q is None else [q])
+    # the padding and the refused guesses' rows go to the left padding
+    right = [L - len(row) + len(g) + 1 - h.size for row, g, h in zip(inputs, guesses, heads)]
+    left = [max(sizes) - s + r for s, r in zip(sizes, right)]
+    for c in batch:
+        c.prepare(right_padding=right)
+        c.finalize()
+    rest = [k - h.size for k, h in zip(ks, heads)]
+    steps, last = [], mx.stack([h[-1] for h in heads])  # steps: each depth's [B] tokens
+    for _ in range(max(rest)):
+        with overlapped(first.model):
+            logits = first._layout(first.model(last[:, None], cache=batch)[:, -1])
+        if all(s.greedy for s in samplings):  # one argmax over the rows
+            last = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            drawn = []
+            for i, s in enumerate(samplings):
+                t, q = pick(logits[i], s, key=draw(i))
+                drawn.append(t.astype(mx.uint32))
+                qs[i] += [] if q is None else [q]
+            last = mx.stack(drawn)
+        steps.append(last)
+    more = mx.stack(steps, axis=1) if steps else None  # [B, max(rest)]
+    end = batch[0].size()
+    drafts = []
+    for i, d in enumerate(drafters):
+        stop = end - (max(rest) - rest[i])  # this row fed its own k - 1 drafts, no more
+        for c, row in zip(batch, d.cache):
+            row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
+            row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
+            row.offset = stop - left[i]
+        d._main = heads[i] if not rest[i] else mx.concatenate([heads[i], more[i, : rest[i]]])
+        drafts.append(Draft(d._main, mx.stack(qs[i][: ks[i]]) if qs[i] else None))
+    return drafts
