@@ -1,6 +1,6 @@
 """Helpers the drafter tests share: mlx-lm's own greedy output, a traced speculative run,
-a NumPy replay of greedy block drafting (DFlash / DSpark style), and a count of a model's
-forwards by batch size."""
+a NumPy replay of greedy block drafting (DFlash / DSpark style), a count of a model's
+forwards by batch size, and two draft-model drafters' states compared."""
 
 import mlx.core as mx
 import numpy as np
@@ -65,3 +65,30 @@ def replay_greedy_blocks(seq, start, k, block, chain, threshold=None):
         steps.append((toks, n, a, cut))
         pos += n + 1
     return steps
+
+
+def assert_same_draft_state(a, b, atol: float = 1e-5) -> None:
+    """Two draft-model drafters hold the same queued tokens and the same cache rows."""
+    assert a._pending == b._pending and a.cache[0].offset == b.cache[0].offset
+    for ca, cb in zip(a.cache, b.cache):
+        n = ca.offset
+        for x, y in ((ca.keys, cb.keys), (ca.values, cb.values)):
+            assert np.allclose(np.array(x[..., :n, :]), np.array(y[..., :n, :]), atol=atol)
+
+
+def together_as_alone(together: list, alone: list, ys, ks, samplings, seeds) -> list:
+    """Draft-model rows' proposals made together (`propose_together`, a seeded key per sampled
+    row) equal each row's own proposal made alone (MLX's global stream seeded the same):
+    tokens and q. Returns the drafts made together."""
+    from mlx_spec import DraftModelDrafter
+
+    keys = [None if s.greedy else mx.random.key(seed) for s, seed in zip(samplings, seeds)]
+    got = DraftModelDrafter.propose_together(together, ys, ks, samplings, keys)
+    for i, d in enumerate(alone):
+        mx.random.seed(seeds[i])
+        want = d.propose(ys[i], ks[i], samplings[i])
+        assert got[i].tokens.tolist() == want.tokens.tolist() and got[i].size == want.size
+        assert (got[i].q is None) == (want.q is None) == samplings[i].greedy
+        if want.q is not None:
+            assert np.allclose(np.array(got[i].q), np.array(want.q), atol=1e-5)
+    return got

@@ -2,15 +2,13 @@
 row drafting with the same draft model, each drafter left exactly as its own proposal would
 have left it (`DraftModelDrafter.propose_together`)."""
 
-import mlx.core as mx
-import numpy as np
 import pytest
 
 import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
 from mlx_spec.sampling import Sampling
-from runs import counted, mlx_lm_greedy as reference
+from runs import assert_same_draft_state, counted, mlx_lm_greedy as reference, together_as_alone
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8],
            [40, 41, 40, 41, 40]]
@@ -37,25 +35,12 @@ def test_drafting_together_leaves_each_drafter_as_its_own_proposal_would(mixed):
     samplings = samplings if mixed else [Sampling()] * 4
     for step, (ks, kept) in enumerate([([3, 1, 4, 2], [2, 1, 0, 2]), ([2, 4, 3, 1], [2, 4, 3, 0])]):
         ys = [11 + step, 23, 31, 47]
-        seeds = [7 * step + i for i in range(4)]
-        keys = [None if s.greedy else mx.random.key(seed) for s, seed in zip(samplings, seeds)]
-        got = DraftModelDrafter.propose_together(together, ys, ks, samplings, keys)
-        for i, d in enumerate(alone):
-            mx.random.seed(seeds[i])
-            want = d.propose(ys[i], ks[i], samplings[i])
-            assert got[i].tokens.tolist() == want.tokens.tolist()
-            assert (got[i].q is None) == (want.q is None) == samplings[i].greedy
-            if want.q is not None:
-                assert np.allclose(np.array(got[i].q), np.array(want.q), atol=1e-5)
+        got = together_as_alone(together, alone, ys, ks, samplings, [7 * step + i for i in range(4)])
         for i, (a, b) in enumerate(zip(together, alone)):  # commit a prefix of each draft
             block = [ys[i]] + got[i].tokens.tolist()[: kept[i]]
             a.commit(block, None)
             b.commit(block, None)
-            assert a._pending == b._pending and a.cache[0].offset == b.cache[0].offset
-            for ca, cb in zip(a.cache, b.cache):
-                n = ca.offset
-                assert np.allclose(np.array(ca.keys[..., :n, :]), np.array(cb.keys[..., :n, :]), atol=1e-5)
-                assert np.allclose(np.array(ca.values[..., :n, :]), np.array(cb.values[..., :n, :]), atol=1e-5)
+            assert_same_draft_state(a, b)
 
 
 def test_a_batch_of_draft_model_rows_drafts_once_per_depth_and_keeps_every_rows_output():

@@ -10,7 +10,7 @@ import mlx_spec
 import tiny
 from mlx_spec import DraftModelDrafter
 from mlx_spec.sampling import Sampling
-from runs import mlx_lm_greedy as reference
+from runs import assert_same_draft_state, mlx_lm_greedy as reference, together_as_alone
 
 
 def models():
@@ -56,11 +56,7 @@ def test_guided_chains_are_the_draft_models_own_chains():
         block = [y] + got.tokens.tolist()[:n]
         for d in (guided, plain):
             d.commit(block, None)
-        assert guided._pending == plain._pending and guided.cache[0].offset == plain.cache[0].offset
-        for a, b in zip(guided.cache, plain.cache):
-            m = a.offset
-            assert np.allclose(np.array(a.keys[..., :m, :]), np.array(b.keys[..., :m, :]), atol=1e-4)
-            assert np.allclose(np.array(a.values[..., :m, :]), np.array(b.values[..., :m, :]), atol=1e-4)
+        assert_same_draft_state(guided, plain, atol=1e-4)
         pos += len(block)
     assert plain.guessed == [0, 0] and guided.guessed[0] > 0
     assert {"all", "part", "none"} <= outcomes  # the guess held wholly, and was cut where it stopped
@@ -126,26 +122,14 @@ def test_rows_drafting_together_follow_their_guesses_as_alone(sampled):
     pos, rng = list(starts), np.random.default_rng(1)
     for step in range(6):
         ys, ks = [text[p] for p in pos], [int(k) for k in rng.integers(2, 7, 3)]
-        seeds = [10 * step + i for i in range(3)]
-        keys = [None if s.greedy else mx.random.key(seed) for s, seed in zip(samplings, seeds)]
-        got = DraftModelDrafter.propose_together(together, ys, ks, samplings, keys)
-        for i, d in enumerate(alone):
-            mx.random.seed(seeds[i])
-            want = d.propose(ys[i], ks[i], samplings[i])
-            assert got[i].tokens.tolist() == want.tokens.tolist() and got[i].size == ks[i]
-            assert (got[i].q is None) == (want.q is None) == samplings[i].greedy
-            if want.q is not None:
-                assert np.allclose(np.array(got[i].q), np.array(want.q), atol=1e-5)
+        got = together_as_alone(together, alone, ys, ks, samplings, [10 * step + i for i in range(3)])
+        assert [d.size for d in got] == ks
         assert together[0].guessed == alone[0].guessed  # (forks of one drafter share the count)
         for i, (a, b) in enumerate(zip(together, alone)):
             block = [ys[i]] + got[i].tokens.tolist()[: int(rng.integers(0, ks[i] + 1))]
             a.commit(block, None)
             b.commit(block, None)
-            assert a._pending == b._pending and a.cache[0].offset == b.cache[0].offset
-            for ca, cb in zip(a.cache, b.cache):
-                n = ca.offset
-                assert np.allclose(np.array(ca.keys[..., :n, :]), np.array(cb.keys[..., :n, :]), atol=1e-4)
-                assert np.allclose(np.array(ca.values[..., :n, :]), np.array(cb.values[..., :n, :]), atol=1e-4)
+            assert_same_draft_state(a, b, atol=1e-4)
             pos[i] += len(block)
     fed, kept = together[0].guessed
     assert fed > 0 and 0 < kept < fed  # guesses were fed together, some kept, some refused
