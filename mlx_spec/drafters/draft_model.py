@@ -153,7 +153,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
         self._catch_up()
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
-        guess = self._guess(y, k, sampling)
+        guess = self._guess(y, k)
         if guess:
             self._pending, self._rows, self._nodes = [], None, {}
             draft = self._guided(guess, k, sampling)
@@ -189,7 +189,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         parents = tuple(-1 if d == 0 else (d - 1) * b for d in range(depth) for _ in range(b))
         return Draft(mx.concatenate(tops), parents=parents)
 
-    def _guess(self, y: int, k: int, sampling: Sampling) -> list[int]:
+    def _guess(self, y: int, k: int) -> list[int]:
         """Prompt lookup's continuation of the committed text + y, up to k - 1 tokens, when
         this proposal is a chain on plain KV layers (else none)."""
         if not (self.lookup and k >= 2 and self.branches == 1 and not self._grows

@@ -28,7 +28,7 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
     first, B = drafters[0], len(drafters)
     for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
         d._catch_up()
-    guesses = [d._guess(y, k, s) for d, y, k, s in zip(drafters, ys, ks, samplings)]
+    guesses = [d._guess(y, k) for d, y, k in zip(drafters, ys, ks)]
     fed = [d._pending + [y] for d, y in zip(drafters, ys)]
     for d, f, k in zip(drafters, fed, ks):
         d._ckpt, d._fed, d._pending, d._rows, d._k = Checkpoint(d.model, d.cache), f, [], None, k
