@@ -55,7 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--no-lookup", action="store_true",
                    help="with --draft-model: never feed prompt lookup's guess to the draft model "
-                   "(by default its greedy chains check the guess in their first forward)")
+                   "(by default its chains check the guess in their first forward)")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",

@@ -45,6 +45,7 @@ from .ngram import NGramIndex
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
+LOOKUP_N = (2, 4)  # the n-grams whose continuations guide the chains (as NGramDrafter's defaults)
 
 
 _CALIBRATIONS = IdentityMap()  # draft model -> target -> dynamic_tree.Calibration
@@ -68,7 +69,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
                              "tree) are two tree shapes: give one of them")
         self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
         self.lookup = bool(lookup)  # guesses from prompt lookup, checked in one forward
-        self._index = NGramIndex(2, 4)  # the committed text (prompt included), for the guesses
+        self._index = NGramIndex(*LOOKUP_N)  # the committed text (prompt included), for the guesses
         self.guessed = [0, 0]  # guessed tokens fed, of them kept (what lookup paid; forks add to it too)
         self._grows = False  # tree_budget on a draft cache that can take tree blocks (`bind`)
         self.model = draft_model
@@ -95,7 +96,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
         self._pending, self._k, self._nodes = [], 0, {}
-        self._index = NGramIndex(2, 4)
+        self._index = NGramIndex(*LOOKUP_N)
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
         # verified, by every drafter of the process with the same two models

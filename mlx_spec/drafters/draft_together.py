@@ -25,7 +25,7 @@ from .base import Draft, pick
 
 def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],
                      keys: list) -> list[Draft]:
-    first, B = drafters[0], len(drafters)
+    first = drafters[0]
     for d in drafters:  # a long backlog (the prompt) alone, not padded into every row
         d._catch_up()
     guesses = [d._guess(y, k) for d, y, k in zip(drafters, ys, ks)]
