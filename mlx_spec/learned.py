@@ -18,6 +18,7 @@ from pathlib import Path
 from . import calibration
 from .adaptive import STATES, AdaptiveK, CostModel, _carried
 from .calibration import model_key, verify_seconds, write_json
+from .drafters import short_head
 from .identity import IdentityMap
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
@@ -72,6 +73,9 @@ def policy_file(model, drafter, sampling) -> Path:
         kind += f"-tree{parent.tree_budget}"
     if getattr(parent, "lookup", True) is False:  # unguided chains draft at another cost
         kind += "-nolookup"
+    head = getattr(parent, "head_vocab", short_head.HEAD_VOCAB)  # a draft head over another share
+    if head != short_head.HEAD_VOCAB:
+        kind += "-fullhead" if head is None else f"-head{head}"
     mode = "greedy" if sampling is None or sampling.greedy else "sampled"
     return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
 

@@ -82,6 +82,9 @@ CASES = {
     # from q without g (the draft: the successor target, sharper)
     "draft-model-guided": Case(v8_successor_llama, lambda m: guided_drafters, dict(temp=1.0), runs=1500,
                                prompt=SUCCESSOR_PROMPT, first_share=0.6, events=60),
+    # the draft's LM head over ids 0..3 and the text's own tokens (`head_vocab`): q is zero on
+    # the tokens the text has not shown yet
+    "draft-model-short-head": Case(v8_llama, lambda m: short_head_drafters(), dict(temp=1.0), runs=1500),
 }
 GUIDED: list = []  # every drafter the guided case made (what their guesses did)
 _GUIDED_DRAFT: list = []
@@ -92,6 +95,11 @@ def guided_drafters():
         _GUIDED_DRAFT.append(v8_successor_llama(gain=0.6))
     GUIDED.append(DraftModelDrafter(_GUIDED_DRAFT[0]))
     return GUIDED[-1]
+
+def short_head_drafters():
+    draft = v8_llama(4.0)
+    return lambda: DraftModelDrafter(draft, head_vocab=4)
+
 
 # The wrong rule each case is shown to catch, and why it matters there.
 WRONG = {  # (case, rule): (wrong_rule arguments, runs)
@@ -107,6 +115,8 @@ WRONG = {  # (case, rule): (wrong_rule arguments, runs)
     ("quantized-kv", "residual-from-p"): (dict(residual="p"), 300),
     # EOS drawn as a correction: with the residual from p it comes too often
     ("eos", "residual-from-p"): (dict(residual="p"), 500),
+    # q zero where p is not: the residual must keep p's mass there
+    ("draft-model-short-head", "residual-from-p"): (dict(residual="p"), 300),
 }
 
 _built: dict = {}
@@ -131,7 +141,8 @@ def run(name, runs=None, seed0=0):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in CASES if n not in ("eos", "draft-model-guided")])
+@pytest.mark.parametrize("name", [n for n in CASES if n not in ("eos", "draft-model-guided",
+                                                                 "draft-model-short-head")])
 def test_sampled_law_at_depth_is_the_targets(name):
     case, *_, joint = build(name)
     runs = run(name)
@@ -184,6 +195,20 @@ def test_the_same_check_catches_a_wrong_rule(monkeypatch, name, rule):
     kw, runs = WRONG[(name, rule)]
     use_rule(monkeypatch, wrong_rule(**kw))
     assert_caught(run(name, runs, seed0=10_000), joint)
+
+
+@pytest.mark.slow
+def test_a_short_draft_head_keeps_the_targets_law():
+    """Drafts from a subset of the vocabulary (ids 0..3, then the text's own tokens): the
+    first step's drafts never leave the prompt's ids while the target's token does in many
+    runs, and the output's law is the target's."""
+    case, *_, joint = build("draft-model-short-head")
+    runs = run("draft-model-short-head")
+    assert_deep(runs, share=case.first_share, events=case.events)
+    first = [t[0] for t in runs.traces]
+    assert all(max(t.proposed) < 4 for t in first)
+    assert sum(int(toks[1]) >= 4 for toks in runs.tokens) > 0.2 * case.runs
+    assert_lossless(runs, joint)
 
 
 @pytest.mark.slow

@@ -17,6 +17,11 @@ token by token from the first disagreement. The draft is the same chain (the sam
 tokens; sampled tokens with the same law q), drafted in one forward instead of one per
 token where the text repeats itself. The guess's rows past the agreement are trimmed off.
 
+The draft's LM head (`head_vocab=n`, default 49152, when the draft's vocabulary is larger):
+only the rows of the first n token ids and of the tokens already in the text are computed
+(`mlx_spec.drafters.short_head`); the drafts come from that subset, laid out over the
+target's vocabulary with -inf elsewhere, so the target's verification is unchanged.
+
 Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
 `tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
 (`mlx_spec.dynamic_tree`): each depth's frontier is fed in one forward with a tree mask
@@ -42,6 +47,7 @@ from ..overlap import overlapped
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, vocab_size
 from .ngram import NGramIndex
+from .short_head import HEAD_VOCAB, short_head
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
@@ -60,7 +66,11 @@ class DraftModelDrafter(SavesState, PlansTrees):
     max_draft = MAX_DRAFT
 
     def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1,
-                 tree_budget: int | None = None, tree_width: int = 4, lookup: bool = True):
+                 tree_budget: int | None = None, tree_width: int = 4, lookup: bool = True,
+                 head_vocab: int | None = HEAD_VOCAB):
+        if head_vocab is not None and not (isinstance(head_vocab, int) and head_vocab >= 1):
+            raise ValueError(f"head_vocab must be a positive integer (the draft's LM head over that many "
+                             f"token ids and the text's own) or None (its whole vocabulary), got {head_vocab!r}")
         if not (isinstance(branches, int) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
         dynamic_tree.check_settings(tree_budget, tree_width)
@@ -69,6 +79,9 @@ class DraftModelDrafter(SavesState, PlansTrees):
                              "tree) are two tree shapes: give one of them")
         self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
         self.lookup = bool(lookup)  # guesses from prompt lookup, checked in one forward
+        self.head_vocab = head_vocab  # the LM head's rows drafted from (`short_head`; None: all)
+        self._head = None  # its `ShortHead` (`bind`; None: the model's own head)
+        self._vocab: tuple = (None, 0, ())  # (the index scanned, tokens scanned, the extras found)
         self._index = NGramIndex(*LOOKUP_N)  # the committed text (prompt included), for the guesses
         self.guessed = [0, 0]  # guessed tokens fed, of them kept (what lookup paid; forks add to it too)
         self._grows = False  # tree_budget on a draft cache that can take tree blocks (`bind`)
@@ -95,6 +108,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
             )
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
+        self._head = short_head(self.model, self.head_vocab, min(v_t, v_d))
         self._pending, self._k, self._nodes = [], 0, {}
         self._index = NGramIndex(*LOOKUP_N)
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
@@ -108,13 +122,34 @@ class DraftModelDrafter(SavesState, PlansTrees):
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""
         with overlapped(self.model):  # evaluated in pieces while the next steps are built
-            return self._layout(self.model(tokens[None], cache=self.cache)[0, -1])
+            return self._run(tokens[None], self.cache, last=1)[0, -1]
 
     def _tree_logits(self, tokens: mx.array, slots, mask: mx.array, shift: int) -> mx.array:
         """One depth of a dynamic tree fed at once ([w] tokens -> [w, V]; `dynamic_tree.Step`)."""
         with overlapped(self.model):
-            return self._layout(tree.forward_block(self.model, self.cache, tokens, mask,
-                                                   [shift] * tokens.shape[0]))
+            return tree.call_block(self.model, self.cache, mask, [shift] * tokens.shape[0],
+                                   lambda wrapped: self._run(tokens[None], wrapped)[0])
+
+    def _run(self, x: mx.array, cache, last: int | None = None) -> mx.array:
+        """Draft logits [B, T, V] of the last `last` positions of `x` [B, T] (None: all), laid
+        out over the target vocabulary; from the subset head when there is one."""
+        if self._head is None:
+            out = self.model(x, cache=cache)
+            return self._layout(out if last is None else out[:, -last:])
+        extra = self._extras()
+        return self._head.layout(self._head(x, cache, extra, last), extra, width=self._v_target)
+
+    def _extras(self) -> tuple:
+        """The text's tokens the subset head's base ids lack (`ShortHead.extras`), kept up to
+        date with the committed text as it grows."""
+        index, seen, extra = self._vocab
+        tokens = self._index.tokens
+        if index is not self._index or seen > len(tokens):  # another text: scanned afresh
+            seen, extra = 0, ()
+        if seen < len(tokens):
+            extra = self._head.extras(tokens[seen:], extra)
+        self._vocab = (self._index, len(tokens), extra)
+        return extra
 
     def _layout(self, logits: mx.array) -> mx.array:
         """Logits over the draft's vocabulary [..., V_d] laid out over the target's."""
@@ -204,7 +239,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         one forward a token from the first disagreement."""
         m = len(guess)
         with overlapped(self.model):
-            out = self._layout(self.model(mx.array(self._fed + guess, mx.uint32)[None], cache=self.cache)[0, -(m + 1):])
+            out = self._run(mx.array(self._fed + guess, mx.uint32)[None], self.cache, last=m + 1)[0]
         head, q = self.follow(out, guess, sampling, lambda: None)
         if len(head) <= m:  # the rows of the guess past the agreement are not the chain's
             for c in self.cache:
@@ -253,7 +288,19 @@ class DraftModelDrafter(SavesState, PlansTrees):
         together in a batch (`propose_together`); None: this one proposes alone."""
         if self.branches > 1 or self._grows or not all(type(c) is KVCache for c in self.cache):
             return None
-        return ("draft model", id(self.model))
+        return ("draft model", id(self.model), id(self._head))
+
+    def batch_head(self, drafters: list):
+        """For rows drafting together: `run(x, cache)`, the batch's logits, and `place(i, out)`,
+        row i's logits laid out over the target vocabulary (with a subset head: computed over
+        every row's extras, each row keeping its own)."""
+        if self._head is None:
+            return (lambda x, cache: self.model(x, cache=cache)), (lambda i, out: self._layout(out))
+        own = [d._extras() for d in drafters]
+        union = tuple(sorted(set().union(*own)))
+        head, width = self._head, self._v_target
+        return ((lambda x, cache: head(x, cache, union)),
+                (lambda i, out: head.layout(out, union, None if own[i] == union else own[i], width)))
 
     @staticmethod
     def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],

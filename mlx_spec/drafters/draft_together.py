@@ -45,16 +45,17 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
 
     batch = [BatchKVCache.merge(list(layer)) for layer in zip(*(d.cache for d in drafters))]
     x = mx.array([row + row[-1:] * (L - len(row)) for row in inputs], mx.uint32)
+    run, place = first.batch_head(drafters)
     with overlapped(first.model):
-        out = first.model(x, cache=batch)
+        out = run(x, batch)
     heads, qs = [], []  # each row's first tokens (an array) and their q rows (lists)
     for i, (d, f, g, s) in enumerate(zip(drafters, fed, guesses, samplings)):
         if g:
-            head, q = d.follow(first._layout(out[i, len(f) - 1 : len(f) + len(g)]), g, s, lambda: draw(i))
+            head, q = d.follow(place(i, out[i, len(f) - 1 : len(f) + len(g)]), g, s, lambda: draw(i))
             heads.append(mx.array(head, mx.uint32))
             qs.append([] if q is None else list(q))
         else:
-            t, q = pick(first._layout(out[i, len(f) - 1]), s, key=draw(i))
+            t, q = pick(place(i, out[i, len(f) - 1]), s, key=draw(i))
             heads.append(t.astype(mx.uint32).reshape(1))
             qs.append([] if q is None else [q])
     # the padding and the refused guesses' rows go to the left padding
@@ -67,7 +68,8 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
     steps, last = [], mx.stack([h[-1] for h in heads])  # steps: each depth's [B] tokens
     for _ in range(max(rest)):
         with overlapped(first.model):
-            logits = first._layout(first.model(last[:, None], cache=batch)[:, -1])
+            out = run(last[:, None], batch)[:, -1]
+            logits = mx.stack([place(i, out[i]) for i in range(len(drafters))])
         if all(s.greedy for s in samplings):  # one argmax over the rows
             last = mx.argmax(logits, axis=-1).astype(mx.uint32)
         else:
