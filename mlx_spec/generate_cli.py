@@ -56,6 +56,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-lookup", action="store_true",
                    help="with --draft-model: never feed prompt lookup's guess to the draft model "
                    "(by default its chains check the guess in their first forward)")
+    p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
+                   help="with --draft-model: its LM head drafts from the first N token ids and the text's "
+                   "own tokens (default 49152; 0: its whole vocabulary); the output is unchanged")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",
@@ -140,6 +143,16 @@ def _local_folder(model_path: str) -> str:
     return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
 
 
+def head_vocab(args) -> dict:
+    """`DraftModelDrafter`'s `head_vocab` from --draft-head-vocab (none given: its default)."""
+    n = getattr(args, "draft_head_vocab", None)
+    if n is None:
+        return {}
+    if n < 0:
+        raise ValueError(f"--draft-head-vocab must be 0 (the whole vocabulary) or a positive count, got {n}")
+    return {"head_vocab": n or None}
+
+
 def make_drafter(args, model, model_path: str):
     """The drafter the arguments name. A draft model given without --draft drafts alone, its
     chains guided by prompt lookup (`DraftModelDrafter(lookup=True)`: on the Qwen2.5-Coder
@@ -151,7 +164,7 @@ def make_drafter(args, model, model_path: str):
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget,
-                                                   lookup=not getattr(args, "no_lookup", False))
+                                                   lookup=not getattr(args, "no_lookup", False), **head_vocab(args))
         if args.draft == "ngram+model":
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter

@@ -324,6 +324,8 @@ def test_head_to_head_pairs_put_the_default_against_its_sources_and_mlx_lm():
     assert summary.head_to_head_pairs(s) == [
         ("draft@auto", "mlx-lm-draft@4"), ("draft@auto", "ngram@auto"), ("draft@auto", "draft-no-lookup@auto"),
         ("mixed@auto", "mlx-lm-draft@4"), ("mixed@auto", "draft@auto"), ("mixed@auto", "ngram@auto")]
+    s["draft-full-vocab@auto"] = m  # the default against its draft head over the whole vocabulary
+    assert ("draft@auto", "draft-full-vocab@auto") in summary.head_to_head_pairs(s)
 
 
 # --- hardware -----------------------------------------------------------------

@@ -181,3 +181,16 @@ def test_no_lookup_drafts_unguided_chains(folder):
         args = parser.parse_args(["--draft", "model", "--draft-model", str(folder), *flags])
         drafter = generate_cli.make_drafter(args, None, str(folder))
         assert type(drafter).__name__ == "DraftModelDrafter" and drafter.lookup is lookup
+
+
+def test_draft_head_vocab_sets_the_draft_models_head(folder, capsys):
+    from mlx_spec.drafters.short_head import HEAD_VOCAB
+
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    for flags, head in (((), HEAD_VOCAB), (("--draft-head-vocab", "0"), None), (("--draft-head-vocab", "40"), 40)):
+        args = parser.parse_args(["--draft-model", str(folder), *flags])
+        assert generate_cli.make_drafter(args, None, str(folder)).head_vocab == head
+    rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft-model", str(folder),
+                      "--draft-head-vocab", "-1")
+    assert rc == 2 and "--draft-head-vocab must be 0" in err

@@ -107,10 +107,11 @@ def _ngram(ctx):
     return NGramDrafter()
 
 
-def _draft_model(ctx, lookup: bool = True):
+def _draft_model(ctx, lookup: bool = True, head_vocab="default"):
     from mlx_spec import DraftModelDrafter
 
-    return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer, lookup=lookup)
+    kw = {} if head_vocab == "default" else {"head_vocab": head_vocab}
+    return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer, lookup=lookup, **kw)
 
 
 def _mixed(ctx):
@@ -157,6 +158,10 @@ METHODS: dict[str, Method] = {
     "draft-no-lookup": Method("draft-no-lookup", "mlx-spec with --draft-model, its chains never guided "
                               "by prompt lookup (--no-lookup)", _mlx_spec(lambda ctx: _draft_model(ctx, False)),
                               uses_k=True, requires=("draft_model",)),
+    "draft-full-vocab": Method("draft-full-vocab", "mlx-spec with --draft-model, its LM head over the whole "
+                               "vocabulary (--draft-head-vocab 0)",
+                               _mlx_spec(lambda ctx: _draft_model(ctx, head_vocab=None)),
+                               uses_k=True, requires=("draft_model",)),
     "mixed": Method("mixed", "mlx-spec with n-gram and --draft-model in one tree (--draft ngram+model)",
                     _mlx_spec(_mixed), uses_k=True, requires=("draft_model",)),
     **{kind: _head(kind) for kind in ("mtp", "eagle", "eagle3", "dflash", "dspark")},

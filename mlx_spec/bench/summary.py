@@ -148,10 +148,11 @@ def head_to_head(records: list[dict], pairs: list[tuple[str, str]],
 def head_to_head_pairs(summary: dict) -> list[tuple[str, str]]:
     """The comparisons the issues' targets are about, among the methods that ran: our draft
     model (its best k) and the mixed drafter against mlx-lm's speculative decoding (its best
-    k), the CLI's default with a draft model (`DEFAULT_WITH_DRAFT`) against its sources alone,
-    and the mixed drafter against it and against prompt lookup."""
+    k), the CLI's default with a draft model (`DEFAULT_WITH_DRAFT`) against its sources alone
+    and against its own draft head over the whole vocabulary, and the mixed drafter against it and against prompt lookup."""
     ours, theirs = best_variant(summary, "draft"), best_variant(summary, "mlx-lm-draft")
     pairs = [(ours, theirs), (DEFAULT_WITH_DRAFT, theirs), *[(DEFAULT_WITH_DRAFT, m) for m in SOURCES],
+             (DEFAULT_WITH_DRAFT, "draft-full-vocab@auto"),  # its draft head over part of the vocabulary
              ("mixed@auto", theirs), ("mixed@auto", "draft@auto"), ("mixed@auto", "ngram@auto")]
     return list(dict.fromkeys((a, b) for a, b in pairs if a in summary and b in summary and a != b))
 

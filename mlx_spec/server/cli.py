@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
     p.add_argument("--no-lookup", action="store_true",
                    help="with --draft-model: never feed prompt lookup's guess to the draft model")
+    p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
+                   help="with --draft-model: its LM head drafts from the first N token ids and the text's "
+                   "own tokens (default 49152; 0: its whole vocabulary)")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
