@@ -69,6 +69,9 @@ def _head_layer(model):
 
 
 class ShortHead:
+    """`model`'s LM head over ids < n and the `extra` ids a call names (ids below `v` only);
+    the gathered rows of recent extras and the layout maps are kept for the next calls."""
+
     def __init__(self, model, n: int, v: int):
         self.model, self.n, self.v = model, n, v
         self._layer = _head_layer(model)
