@@ -79,7 +79,7 @@ def test_a_forward_other_than_stack_then_head_keeps_the_whole_head():
 
 
 def test_head_vocab_is_checked():
-    for bad in (0, -3, 2.5, "all"):
+    for bad in (0, -3, 2.5, "all", True):
         with pytest.raises(ValueError, match="head_vocab"):
             DraftModelDrafter(tiny.llama_model(), head_vocab=bad)
 

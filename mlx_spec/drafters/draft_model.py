@@ -68,7 +68,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
     def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1,
                  tree_budget: int | None = None, tree_width: int = 4, lookup: bool = True,
                  head_vocab: int | None = HEAD_VOCAB):
-        if head_vocab is not None and not (isinstance(head_vocab, int) and head_vocab >= 1):
+        if head_vocab is not None and not (type(head_vocab) is int and head_vocab >= 1):
             raise ValueError(f"head_vocab must be a positive integer (the draft's LM head over that many "
                              f"token ids and the text's own) or None (its whole vocabulary), got {head_vocab!r}")
         if not (isinstance(branches, int) and 1 <= branches <= 4):
@@ -292,15 +292,20 @@ class DraftModelDrafter(SavesState, PlansTrees):
 
     def batch_head(self, drafters: list):
         """For rows drafting together: `run(x, cache)`, the batch's logits, and `place(i, out)`,
-        row i's logits laid out over the target vocabulary (with a subset head: computed over
-        every row's extras, each row keeping its own)."""
+        row i's logits laid out over the target vocabulary (i None: every row's, `out` [B, ...]);
+        with a subset head they are computed over every row's extras, each row keeping its own."""
         if self._head is None:
             return (lambda x, cache: self.model(x, cache=cache)), (lambda i, out: self._layout(out))
         own = [d._extras() for d in drafters]
         union = tuple(sorted(set().union(*own)))
         head, width = self._head, self._v_target
-        return ((lambda x, cache: head(x, cache, union)),
-                (lambda i, out: head.layout(out, union, None if own[i] == union else own[i], width)))
+
+        def place(i, out):
+            if i is None:
+                return mx.stack([place(j, out[j]) for j in range(len(own))])
+            return head.layout(out, union, None if own[i] == union else own[i], width)
+
+        return (lambda x, cache: head(x, cache, union)), place
 
     @staticmethod
     def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],

@@ -68,8 +68,7 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
     steps, last = [], mx.stack([h[-1] for h in heads])  # steps: each depth's [B] tokens
     for _ in range(max(rest)):
         with overlapped(first.model):
-            out = run(last[:, None], batch)[:, -1]
-            logits = mx.stack([place(i, out[i]) for i in range(len(drafters))])
+            logits = place(None, run(last[:, None], batch)[:, -1])
         if all(s.greedy for s in samplings):  # one argmax over the rows
             last = mx.argmax(logits, axis=-1).astype(mx.uint32)
         else:
