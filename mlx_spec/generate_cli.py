@@ -59,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
                    help="with --draft-model: its LM head drafts from the first N token ids and the text's "
                    "own tokens (default 49152; 0: its whole vocabulary); the output is unchanged")
+    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
+                   help="with --draft-model: a draft chain ends after a token the draft model gave less "
+                   "than probability P (default 0.5; 0: chains as long as asked); the output is unchanged")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",
@@ -143,14 +146,22 @@ def _local_folder(model_path: str) -> str:
     return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
 
 
-def head_vocab(args) -> dict:
-    """`DraftModelDrafter`'s `head_vocab` from --draft-head-vocab (none given: its default)."""
+def draft_model_options(args) -> dict:
+    """`DraftModelDrafter`'s `head_vocab` and `min_confidence` from --draft-head-vocab and
+    --draft-min-confidence (0: off; none given: its defaults)."""
+    out = {}
     n = getattr(args, "draft_head_vocab", None)
-    if n is None:
-        return {}
-    if n < 0:
-        raise ValueError(f"--draft-head-vocab must be 0 (the whole vocabulary) or a positive count, got {n}")
-    return {"head_vocab": n or None}
+    if n is not None:
+        if n < 0:
+            raise ValueError(f"--draft-head-vocab must be 0 (the whole vocabulary) or a positive count, got {n}")
+        out["head_vocab"] = n or None
+    p = getattr(args, "draft_min_confidence", None)
+    if p is not None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"--draft-min-confidence must be a probability in [0, 1] (0: chains as long as "
+                             f"asked), got {p}")
+        out["min_confidence"] = p or None
+    return out
 
 
 def make_drafter(args, model, model_path: str):
@@ -164,7 +175,7 @@ def make_drafter(args, model, model_path: str):
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget,
-                                                   lookup=not getattr(args, "no_lookup", False), **head_vocab(args))
+                                                   lookup=not getattr(args, "no_lookup", False), **draft_model_options(args))
         if args.draft == "ngram+model":
             return mlx_spec.MixedDrafter(mlx_spec.NGramDrafter(branches=branches), model_drafter)
         return model_drafter

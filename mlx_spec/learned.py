@@ -19,6 +19,7 @@ from . import calibration
 from .adaptive import STATES, AdaptiveK, CostModel, _carried
 from .calibration import model_key, verify_seconds, write_json
 from .drafters import short_head
+from .drafters.draft_model import MIN_CONFIDENCE
 from .identity import IdentityMap
 
 _POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
@@ -76,6 +77,9 @@ def policy_file(model, drafter, sampling) -> Path:
     head = getattr(parent, "head_vocab", short_head.HEAD_VOCAB)  # a draft head over another share
     if head != short_head.HEAD_VOCAB:
         kind += "-fullhead" if head is None else f"-head{head}"
+    stop = getattr(parent, "min_confidence", MIN_CONFIDENCE)  # chains that stop elsewhere
+    if stop != MIN_CONFIDENCE:
+        kind += "-nostop" if stop is None else f"-stop{stop:g}"
     mode = "greedy" if sampling is None or sampling.greedy else "sampled"
     return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
 

@@ -76,6 +76,14 @@ def assert_same_draft_state(a, b, atol: float = 1e-5) -> None:
             assert np.allclose(np.array(x[..., :n, :]), np.array(y[..., :n, :]), atol=atol)
 
 
+def median_confidence(draft, tokens) -> float:
+    """The median over `tokens`' positions of the draft model's largest softmax probability: a
+    `min_confidence` that ends some of its greedy chains early and not others."""
+    logits = draft(mx.array(tokens)[None])[0].astype(mx.float32)
+    top = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
+    return float(np.median(np.array(top)))
+
+
 def together_as_alone(together: list, alone: list, ys, ks, samplings, seeds) -> list:
     """Draft-model rows' proposals made together (`propose_together`, a seeded key per sampled
     row) equal each row's own proposal made alone (MLX's global stream seeded the same):

@@ -8,16 +8,16 @@ import mlx_spec
 import tiny
 from mlx_spec import BatchDecoder, DraftModelDrafter, NGramDrafter
 from mlx_spec.sampling import Sampling
-from runs import assert_same_draft_state, counted, mlx_lm_greedy as reference, together_as_alone
+from runs import assert_same_draft_state, counted, median_confidence, mlx_lm_greedy as reference, together_as_alone
 
 PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7], [3, 4], [9, 9, 8, 7, 6, 5, 4, 3, 2, 1, 9, 9, 8],
            [40, 41, 40, 41, 40]]
 
 
-def drafters_with_history(target, draft, n: int) -> list[DraftModelDrafter]:
+def drafters_with_history(target, draft, n: int, min_confidence=None) -> list[DraftModelDrafter]:
     """`n` forks of one draft-model drafter, with different histories and different queued
     tokens (so their first block in a step is ragged)."""
-    base, out = DraftModelDrafter(draft), []
+    base, out = DraftModelDrafter(draft, min_confidence=min_confidence), []
     for i in range(n):
         d = base.fork()
         d.bind(target, None)
@@ -27,20 +27,25 @@ def drafters_with_history(target, draft, n: int) -> list[DraftModelDrafter]:
     return out
 
 
+@pytest.mark.parametrize("stops", [False, True])  # True: chains end after an unsure token
 @pytest.mark.parametrize("mixed", [True, False])  # False: all greedy (one argmax for the rows)
-def test_drafting_together_leaves_each_drafter_as_its_own_proposal_would(mixed):
+def test_drafting_together_leaves_each_drafter_as_its_own_proposal_would(mixed, stops):
     target, draft = tiny.llama_model(), tiny.llama_model(seed=9, layers=2)
-    together, alone = drafters_with_history(target, draft, 4), drafters_with_history(target, draft, 4)
+    sure = median_confidence(draft, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]) if stops else None
+    together, alone = (drafters_with_history(target, draft, 4, sure) for _ in range(2))
+    sizes = []
     samplings = [Sampling(), Sampling(temp=0.8), Sampling(temp=1.2, top_p=0.9), Sampling()]
     samplings = samplings if mixed else [Sampling()] * 4
     for step, (ks, kept) in enumerate([([3, 1, 4, 2], [2, 1, 0, 2]), ([2, 4, 3, 1], [2, 4, 3, 0])]):
         ys = [11 + step, 23, 31, 47]
         got = together_as_alone(together, alone, ys, ks, samplings, [7 * step + i for i in range(4)])
+        sizes += [(d.size, k) for d, k in zip(got, ks) if k > 1]
         for i, (a, b) in enumerate(zip(together, alone)):  # commit a prefix of each draft
             block = [ys[i]] + got[i].tokens.tolist()[: kept[i]]
             a.commit(block, None)
             b.commit(block, None)
             assert_same_draft_state(a, b)
+    assert all(n == k for n, k in sizes) != stops  # with stops, some chains ended early
 
 
 def test_a_batch_of_draft_model_rows_drafts_once_per_depth_and_keeps_every_rows_output():

@@ -10,7 +10,7 @@ import mlx_spec
 import tiny
 from mlx_spec import DraftModelDrafter
 from mlx_spec.sampling import Sampling
-from runs import assert_same_draft_state, mlx_lm_greedy as reference, together_as_alone
+from runs import assert_same_draft_state, median_confidence, mlx_lm_greedy as reference, together_as_alone
 
 
 def models():
@@ -24,22 +24,26 @@ def loop_text(draft, n: int = 60) -> list[int]:
     return [5, 17, 3] + reference(draft, [5, 17, 3], n)
 
 
-def pair(target, draft):
+def pair(target, draft, min_confidence=None):
     out = []
     for lookup in (True, False):
-        d = DraftModelDrafter(draft, lookup=lookup)
+        d = DraftModelDrafter(draft, lookup=lookup, min_confidence=min_confidence)
         d.bind(target, None)
         out.append(d)
     return out
 
 
-def test_guided_chains_are_the_draft_models_own_chains():
+@pytest.mark.parametrize("stops", [False, True])
+def test_guided_chains_are_the_draft_models_own_chains(stops):
     """Every proposal of a guided drafter equals the unguided one's, over steps whose guesses
     were partly kept, wholly kept and not kept at all; after each commit the draft caches hold
-    the same rows."""
+    the same rows. `stops`: both end their chains after an unsure token (`min_confidence`, set
+    so that some chains end early and others not), the guided one where the guess it checked
+    holds an unsure token too."""
     target, draft = models()
     text = loop_text(draft)
-    guided, plain = pair(target, draft)
+    guided, plain = pair(target, draft, median_confidence(draft, text) if stops else None)
+    sizes = []
     for d in (guided, plain):
         d.prefill(text[:12], None)
     pos, outcomes = 12, set()
@@ -48,7 +52,9 @@ def test_guided_chains_are_the_draft_models_own_chains():
         y, k = text[pos], int(rng.integers(2, 8))
         before = list(guided.guessed)
         got, want = guided.propose(y, k, Sampling()), plain.propose(y, k, Sampling())
-        assert got.tokens.tolist() == want.tokens.tolist() and got.size == k
+        assert got.tokens.tolist() == want.tokens.tolist() and got.size == want.size
+        assert got.size == k or stops and got.size < k
+        sizes.append(got.size < k)
         fed, kept = guided.guessed[0] - before[0], guided.guessed[1] - before[1]
         if fed:
             outcomes.add("none" if kept == 0 else "all" if kept == fed else "part")
@@ -60,6 +66,7 @@ def test_guided_chains_are_the_draft_models_own_chains():
         pos += len(block)
     assert plain.guessed == [0, 0] and guided.guessed[0] > 0
     assert {"all", "part", "none"} <= outcomes  # the guess held wholly, and was cut where it stopped
+    assert not stops or 0 < sum(sizes) < len(sizes)  # chains ended early, and not always
 
 
 def test_guesses_are_left_alone_where_the_chain_cannot_take_them():
@@ -99,17 +106,19 @@ def test_guided_drafting_is_lossless_and_guesses(k):
     assert 0 < drafter.guessed[1] < drafter.guessed[0]
 
 
+@pytest.mark.parametrize("stops", [False, True])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_rows_drafting_together_follow_their_guesses_as_alone(sampled):
+def test_rows_drafting_together_follow_their_guesses_as_alone(sampled, stops):
     """In a batch, draft-model rows drafting together (`propose_together`) feed their guesses
     in the one first forward: each row's draft (and q), guesses kept and draft cache after
     commit equal its own guided proposal's, with keys split per draw as alone."""
     target, draft = models()
     text = loop_text(draft, 90)
     starts = [12, 17, 22]
+    sure = median_confidence(draft, text) if stops else None  # some rows' chains end early
 
     def rows():
-        base, out = DraftModelDrafter(draft), []
+        base, out = DraftModelDrafter(draft, min_confidence=sure), []
         for s in starts:
             d = base.fork()
             d.bind(target, None)
@@ -119,11 +128,12 @@ def test_rows_drafting_together_follow_their_guesses_as_alone(sampled):
 
     together, alone = rows(), rows()
     samplings = [Sampling(temp=0.8) if sampled and i != 1 else Sampling() for i in range(3)]
-    pos, rng = list(starts), np.random.default_rng(1)
+    pos, rng, short = list(starts), np.random.default_rng(1), 0
     for step in range(6):
         ys, ks = [text[p] for p in pos], [int(k) for k in rng.integers(2, 7, 3)]
         got = together_as_alone(together, alone, ys, ks, samplings, [10 * step + i for i in range(3)])
-        assert [d.size for d in got] == ks
+        assert all(d.size == k or stops and d.size < k for d, k in zip(got, ks))
+        short += sum(d.size < k for d, k in zip(got, ks))
         assert together[0].guessed == alone[0].guessed  # (forks of one drafter share the count)
         for i, (a, b) in enumerate(zip(together, alone)):
             block = [ys[i]] + got[i].tokens.tolist()[: int(rng.integers(0, ks[i] + 1))]
@@ -133,3 +143,4 @@ def test_rows_drafting_together_follow_their_guesses_as_alone(sampled):
             pos[i] += len(block)
     fed, kept = together[0].guessed
     assert fed > 0 and 0 < kept < fed  # guesses were fed together, some kept, some refused
+    assert not stops or 0 < short < 18  # some rows' chains ended early, not all

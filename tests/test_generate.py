@@ -54,7 +54,7 @@ def test_greedy_output_is_the_targets_own(name, k):
 
 def test_self_draft_accepts_every_token():
     model = target("llama-gqa")
-    _, out = run(model, DraftModelDrafter(model), max_tokens=41, num_draft_tokens=4)
+    _, out = run(model, DraftModelDrafter(model, min_confidence=None), max_tokens=41, num_draft_tokens=4)
     s = out[-1].stats
     assert s.acceptance_rate == 1.0 and s.tau == 5.0
     assert [r.from_draft for r in out[1:11]] == [True] * 4 + [False] + [True] * 4 + [False]
@@ -72,7 +72,7 @@ def test_the_prompts_token_is_yielded_before_the_first_draft():
             Counting.proposals += 1
             return super().propose(*args, **kwargs)
 
-    gen = mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Counting(model),
+    gen = mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Counting(model, min_confidence=None),
                                    max_tokens=12, num_draft_tokens=4)
     first = next(gen)
     assert not first.from_draft and Counting.proposals == 0

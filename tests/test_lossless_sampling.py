@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
 
-from lossless import (assert_caught, assert_deep, assert_lossless, exact_joint, sampled_runs,
+from lossless import (assert_caught, assert_deep, assert_lossless, depth, exact_joint, sampled_runs,
                       use_rule, v8_llama, v8_successor_llama, wrong_rule)
 from mlx_spec import DraftModelDrafter, NGramDrafter, make_cache
 
@@ -58,7 +58,7 @@ def near_draft(sharpen=4.0, **kw):
     """The target's own network with its LM head doubled (the target at temperature 1/2):
     about 60% of its drafts are accepted at temperature 1."""
     draft = v8_llama(sharpen, **kw)
-    return lambda model: (lambda: DraftModelDrafter(draft))
+    return lambda model: (lambda: DraftModelDrafter(draft, min_confidence=None))  # chains as asked
 
 
 CASES = {
@@ -85,7 +85,12 @@ CASES = {
     # the draft's LM head over ids 0..3 and the text's own tokens (`head_vocab`): q is zero on
     # the tokens the text has not shown yet
     "draft-model-short-head": Case(v8_llama, lambda m: short_head_drafters(), dict(temp=1.0), runs=1500),
+    # chains that end after a draw q made unlikely (`min_confidence`): the next draft depends
+    # on the one before, never a token on its own draw
+    "draft-model-stops": Case(v8_llama, lambda m: stopping_drafters(), dict(temp=1.0), runs=1500,
+                              first_share=0.3, events=60),
 }
+STOP_BELOW = 0.25  # the stopping case's min_confidence: a quarter of first steps end at 1 draft, a quarter at 2
 GUIDED: list = []  # every drafter the guided case made (what their guesses did)
 _GUIDED_DRAFT: list = []
 
@@ -93,12 +98,17 @@ _GUIDED_DRAFT: list = []
 def guided_drafters():
     if not _GUIDED_DRAFT:
         _GUIDED_DRAFT.append(v8_successor_llama(gain=0.6))
-    GUIDED.append(DraftModelDrafter(_GUIDED_DRAFT[0]))
+    GUIDED.append(DraftModelDrafter(_GUIDED_DRAFT[0], min_confidence=None))
     return GUIDED[-1]
+
+def stopping_drafters():
+    draft = v8_llama(4.0)
+    return lambda: DraftModelDrafter(draft, lookup=False, min_confidence=STOP_BELOW)
+
 
 def short_head_drafters():
     draft = v8_llama(4.0)
-    return lambda: DraftModelDrafter(draft, head_vocab=4)
+    return lambda: DraftModelDrafter(draft, head_vocab=4, min_confidence=None)
 
 
 # The wrong rule each case is shown to catch, and why it matters there.
@@ -142,7 +152,7 @@ def run(name, runs=None, seed0=0):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in CASES if n not in ("eos", "draft-model-guided",
-                                                                 "draft-model-short-head")])
+                                                                 "draft-model-short-head", "draft-model-stops")])
 def test_sampled_law_at_depth_is_the_targets(name):
     case, *_, joint = build(name)
     runs = run(name)
@@ -209,6 +219,36 @@ def test_a_short_draft_head_keeps_the_targets_law():
     assert all(max(t.proposed) < 4 for t in first)
     assert sum(int(toks[1]) >= 4 for toks in runs.tokens) > 0.2 * case.runs
     assert_lossless(runs, joint)
+
+
+@pytest.mark.slow
+def test_chains_ending_on_an_unsure_draw_keep_the_targets_law(monkeypatch):
+    """Sampled chains that end after a token drawn with q(d) < p: first steps verified 1, 2
+    and 3 drafts, and the output's law is the target's. Leaving the unsure token itself out
+    (its own draw deciding whether it is verified) is caught by the same check."""
+    from mlx_spec.drafters import base, draft_model
+
+    case, *_, joint = build("draft-model-stops")
+    runs = run("draft-model-stops")
+    assert_deep(runs, share=case.first_share, events=case.events)
+    first = depth(runs).first
+    assert min(first[1], first[2], first[3]) >= 0.1 * case.runs, dict(first)
+    assert_lossless(runs, joint)
+
+    def leaves_it_out(logits, k, sampling, step, choose=base.pick, min_confidence=None):
+        tokens, qs = [], []
+        for i in range(k):
+            t, q = choose(logits, sampling)
+            if i and base.confidence(logits, t, q).item() < min_confidence:
+                break
+            tokens.append(t)
+            qs.append(q)
+            if i < k - 1:
+                logits = step(t.reshape(1).astype(mx.uint32))
+        return base.Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs))
+
+    monkeypatch.setattr(draft_model, "chain", leaves_it_out)
+    assert_caught(run("draft-model-stops", 1500, seed0=10_000), joint)
 
 
 @pytest.mark.slow

@@ -167,7 +167,7 @@ def test_rows_drafting_together_keep_their_own_subsets(greedy):
     for text in texts:
         pair = []
         for _ in range(2):
-            d = DraftModelDrafter(draft, head_vocab=N)
+            d = DraftModelDrafter(draft, head_vocab=N, min_confidence=None)  # chains as long as asked
             d.bind(target, None)
             d.prefill(text, None)
             pair.append(d)

@@ -107,10 +107,9 @@ def _ngram(ctx):
     return NGramDrafter()
 
 
-def _draft_model(ctx, lookup: bool = True, head_vocab="default"):
+def _draft_model(ctx, lookup: bool = True, **kw):
     from mlx_spec import DraftModelDrafter
 
-    kw = {} if head_vocab == "default" else {"head_vocab": head_vocab}
     return DraftModelDrafter(ctx.draft_model, ctx.draft_tokenizer, lookup=lookup, **kw)
 
 
@@ -162,6 +161,10 @@ METHODS: dict[str, Method] = {
                                "vocabulary (--draft-head-vocab 0)",
                                _mlx_spec(lambda ctx: _draft_model(ctx, head_vocab=None)),
                                uses_k=True, requires=("draft_model",)),
+    "draft-no-stop": Method("draft-no-stop", "mlx-spec with --draft-model, its chains as long as asked "
+                            "(--draft-min-confidence 0)",
+                            _mlx_spec(lambda ctx: _draft_model(ctx, min_confidence=None)),
+                            uses_k=True, requires=("draft_model",)),
     "mixed": Method("mixed", "mlx-spec with n-gram and --draft-model in one tree (--draft ngram+model)",
                     _mlx_spec(_mixed), uses_k=True, requires=("draft_model",)),
     **{kind: _head(kind) for kind in ("mtp", "eagle", "eagle3", "dflash", "dspark")},

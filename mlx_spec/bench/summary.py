@@ -153,6 +153,7 @@ def head_to_head_pairs(summary: dict) -> list[tuple[str, str]]:
     ours, theirs = best_variant(summary, "draft"), best_variant(summary, "mlx-lm-draft")
     pairs = [(ours, theirs), (DEFAULT_WITH_DRAFT, theirs), *[(DEFAULT_WITH_DRAFT, m) for m in SOURCES],
              (DEFAULT_WITH_DRAFT, "draft-full-vocab@auto"),  # its draft head over part of the vocabulary
+             (DEFAULT_WITH_DRAFT, "draft-no-stop@auto"),  # its chains ending at an unsure token
              ("mixed@auto", theirs), ("mixed@auto", "draft@auto"), ("mixed@auto", "ngram@auto")]
     return list(dict.fromkeys((a, b) for a, b in pairs if a in summary and b in summary and a != b))
 

@@ -212,10 +212,14 @@ def chain(
     sampling: Sampling,
     step: Callable[[mx.array], mx.array],
     choose: Callable = pick,
+    min_confidence: float | None = None,
 ) -> Draft:
     """k chained draft steps, all lazy: take a token from `logits`, then `logits = step(token)`.
 
     `choose(logits, sampling) -> (token id, q over the target vocabulary | None)`.
+    `min_confidence`: the chain ends early after a token the drafter itself gave less than
+    this probability (`confidence`), one host read a token; that token is still proposed, so
+    whether a token is verified never depends on the token itself (`Drafter`'s first contract).
     """
     tokens, qs = [], []
     for i in range(k):
@@ -224,8 +228,18 @@ def chain(
         if q is not None:
             qs.append(q)
         if i < k - 1:
+            if min_confidence is not None and confidence(logits, t, q).item() < min_confidence:
+                break
             logits = step(t.reshape(1).astype(mx.uint32))
     return Draft(mx.stack(tokens).astype(mx.uint32), mx.stack(qs) if qs else None)
+
+
+def confidence(logits: mx.array, tokens: mx.array, q: mx.array | None) -> mx.array:
+    """The drafter's probability of each token it chose from `logits` [..., V] (lazy): q(token)
+    where it was drawn from q [..., V], else (greedy: the argmax) the softmax's largest value."""
+    if q is not None:
+        return mx.take_along_axis(q, tokens[..., None].astype(mx.int32), axis=-1)[..., 0]
+    return mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1))
 
 
 def _output_module(model):

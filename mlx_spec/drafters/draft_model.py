@@ -22,6 +22,13 @@ only the rows of the first n token ids and of the tokens already in the text are
 (`mlx_spec.drafters.short_head`); the drafts come from that subset, laid out over the
 target's vocabulary with -inf elsewhere, so the target's verification is unchanged.
 
+Confident chains (`min_confidence=p`, default 0.5): a chain ends after a token the draft model
+gave less than probability p (its argmax's softmax value; sampled: q of the token drawn), as
+Hugging Face's assisted generation does with `assistant_confidence_threshold`; that token
+is still proposed, so the target's acceptance law is untouched. `auto` asks for a length
+and the chain stops short where the draft is unsure: the forwards past it, likely rejected,
+are not paid for. One host read a draft token.
+
 Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
 `tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
 (`mlx_spec.dynamic_tree`): each depth's frontier is fed in one forward with a tree mask
@@ -45,13 +52,14 @@ from ..calibration import spent_once
 from ..identity import IdentityMap
 from ..overlap import overlapped
 from ..sampling import Sampling
-from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, vocab_size
+from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, confidence, vocab_size
 from .ngram import NGramIndex
 from .short_head import HEAD_VOCAB, short_head
 
 log = logging.getLogger("mlx_spec")
 CATCH_UP = 16  # queued tokens fed with a proposal's own forward; more are read first, alone
 LOOKUP_N = (2, 4)  # the n-grams whose continuations guide the chains (as NGramDrafter's defaults)
+MIN_CONFIDENCE = 0.5  # a chain ends after a token drafted with a lower probability
 
 
 _CALIBRATIONS = IdentityMap()  # draft model -> target -> dynamic_tree.Calibration
@@ -67,10 +75,14 @@ class DraftModelDrafter(SavesState, PlansTrees):
 
     def __init__(self, draft_model, draft_tokenizer=None, branches: int = 1,
                  tree_budget: int | None = None, tree_width: int = 4, lookup: bool = True,
-                 head_vocab: int | None = HEAD_VOCAB):
+                 head_vocab: int | None = HEAD_VOCAB, min_confidence: float | None = MIN_CONFIDENCE):
         if head_vocab is not None and not (type(head_vocab) is int and head_vocab >= 1):
             raise ValueError(f"head_vocab must be a positive integer (the draft's LM head over that many "
                              f"token ids and the text's own) or None (its whole vocabulary), got {head_vocab!r}")
+        if min_confidence is not None and not (isinstance(min_confidence, (int, float))
+                                               and not isinstance(min_confidence, bool) and 0 < min_confidence <= 1):
+            raise ValueError(f"min_confidence must be a probability in (0, 1] (a chain ends after a token "
+                             f"drafted with less) or None (chains as long as asked), got {min_confidence!r}")
         if not (isinstance(branches, int) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
         dynamic_tree.check_settings(tree_budget, tree_width)
@@ -80,6 +92,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self.branches, self.tree_budget, self.tree_width = branches, tree_budget, tree_width
         self.lookup = bool(lookup)  # guesses from prompt lookup, checked in one forward
         self.head_vocab = head_vocab  # the LM head's rows drafted from (`short_head`; None: all)
+        self.min_confidence = min_confidence  # chains end after a less likely token (None: never)
         self._head = None  # its `ShortHead` (`bind`; None: the model's own head)
         self._vocab: tuple = (None, 0, ())  # (the index scanned, tokens scanned, the extras found)
         self._index = NGramIndex(*LOOKUP_N)  # the committed text (prompt included), for the guesses
@@ -193,7 +206,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         if guess:
             self._pending, self._rows, self._nodes = [], None, {}
             draft = self._guided(guess, k, sampling)
-            self._k, self._main = k, draft.tokens
+            self._k, self._main = draft.size, draft.tokens
             return draft
         logits = self._logits(mx.array(self._fed, mx.uint32))
         self._pending, self._rows, self._nodes = [], None, {}
@@ -210,8 +223,8 @@ class DraftModelDrafter(SavesState, PlansTrees):
             self._k = max(draft.size, 1)
             return draft
         if b == 1 or k < 2:
-            draft = chain(logits, k, sampling, self._logits)
-            self._k, self._main = k, draft.tokens
+            draft = chain(logits, k, sampling, self._logits, min_confidence=self.min_confidence)
+            self._k, self._main = draft.size, draft.tokens
             return draft
         # A tree: the draft's chain of its top tokens, each depth's next b - 1 tokens as leaves.
         depth, tops = max(k // b, 1), []
@@ -241,14 +254,29 @@ class DraftModelDrafter(SavesState, PlansTrees):
         with overlapped(self.model):
             out = self._run(mx.array(self._fed + guess, mx.uint32)[None], self.cache, last=m + 1)[0]
         head, q = self.follow(out, guess, sampling, lambda: None)
+        head, q, unsure = self._until_unsure(out, head, q)
         if len(head) <= m:  # the rows of the guess past the agreement are not the chain's
             for c in self.cache:
                 c.trim(m + 1 - len(head))
         tokens, rest = mx.array(head, mx.uint32), k - len(head)
-        if rest == 0:
+        if rest == 0 or unsure:
             return Draft(tokens, q)
-        more = chain(self._logits(tokens[-1:]), rest, sampling, self._logits)
+        more = chain(self._logits(tokens[-1:]), rest, sampling, self._logits, min_confidence=self.min_confidence)
         return Draft(mx.concatenate([tokens, more.tokens]), None if q is None else mx.concatenate([q, more.q]))
+
+    def _until_unsure(self, out: mx.array, head: list[int], q: mx.array | None):
+        """A guided chain's head up to its first token drafted with a probability below
+        `min_confidence` (that token included), where an unguided chain would have stopped,
+        and whether it stopped there. One host read."""
+        if self.min_confidence is None:
+            return head, q, False
+        n = len(head)
+        sure = confidence(out[:n], mx.array(head, mx.uint32), None if q is None else q[:n]).tolist()
+        low = [i for i, c in enumerate(sure) if c < self.min_confidence]
+        if not low:
+            return head, q, False
+        n = low[0] + 1
+        return head[:n], None if q is None else q[:n], True
 
     def follow(self, out: mx.array, guess: list[int], sampling: Sampling, key) -> tuple[list[int], mx.array | None]:
         """The head of a guided chain: the draft's distributions `out` [m + 1, V] after y and

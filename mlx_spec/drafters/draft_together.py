@@ -7,7 +7,9 @@ row's head is known (its first token; for a guided row the guess as far as the d
 agrees, and one more); the padding and every row's refused guess rows are rolled into
 the left padding, and one-token forwards over the rows chain the rest of the drafts.
 Each row's new entries, up to its own k - 1 drafts, are written back into its own
-cache, which is left as its own `propose` leaves it. `keys`: each row's random key
+cache, which is left as its own `propose` leaves it. A row's chain ends where its own would
+(`min_confidence`: after its first unsure token, one host read a depth); the other rows go on,
+and the forwards stop when every row has ended. `keys`: each row's random key
 (None: greedy); split per draw as MLX's global stream is, so a seeded row draws what it
 would alone.
 """
@@ -20,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache
 from ..cache import Checkpoint
 from ..overlap import overlapped
 from ..sampling import Sampling
-from .base import Draft, pick
+from .base import Draft, confidence, pick
 
 
 def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: list[Sampling],
@@ -48,46 +50,63 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
     run, place = first.batch_head(drafters)
     with overlapped(first.model):
         out = run(x, batch)
-    heads, qs = [], []  # each row's first tokens (an array) and their q rows (lists)
+    heads, qs, ended = [], [], []  # each row's first tokens (an array), their q rows (lists)
     for i, (d, f, g, s) in enumerate(zip(drafters, fed, guesses, samplings)):
         if g:
-            head, q = d.follow(place(i, out[i, len(f) - 1 : len(f) + len(g)]), g, s, lambda: draw(i))
+            rows = place(i, out[i, len(f) - 1 : len(f) + len(g)])
+            head, q = d.follow(rows, g, s, lambda: draw(i))
+            head, q, unsure = d._until_unsure(rows, head, q)
             heads.append(mx.array(head, mx.uint32))
             qs.append([] if q is None else list(q))
         else:
-            t, q = pick(place(i, out[i, len(f) - 1]), s, key=draw(i))
+            rows = place(i, out[i, len(f) - 1])
+            t, q = pick(rows, s, key=draw(i))
             heads.append(t.astype(mx.uint32).reshape(1))
             qs.append([] if q is None else [q])
+            unsure = d.min_confidence is not None and confidence(rows, t, q).item() < d.min_confidence
+        ended.append(unsure)
     # the padding and the refused guesses' rows go to the left padding
     right = [L - len(row) + len(g) + 1 - h.size for row, g, h in zip(inputs, guesses, heads)]
     left = [max(sizes) - s + r for s, r in zip(sizes, right)]
     for c in batch:
         c.prepare(right_padding=right)
         c.finalize()
-    rest = [k - h.size for k, h in zip(ks, heads)]
+    rest = [0 if e else k - h.size for e, k, h in zip(ended, ks, heads)]  # drafts still to come
     steps, last = [], mx.stack([h[-1] for h in heads])  # steps: each depth's [B] tokens
-    for _ in range(max(rest)):
+    done = [0] * len(drafters)  # each row's drafts after its head
+    while any(n < r for n, r in zip(done, rest)):
+        live = [n < r for n, r in zip(done, rest)]
         with overlapped(first.model):
             logits = place(None, run(last[:, None], batch)[:, -1])
+        drawn = []  # each row's token and its q (a row that has ended draws nothing)
         if all(s.greedy for s in samplings):  # one argmax over the rows
             last = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            drawn = [(last[i], None) for i in range(len(live))]
         else:
-            drawn = []
             for i, s in enumerate(samplings):
-                t, q = pick(logits[i], s, key=draw(i))
-                drawn.append(t.astype(mx.uint32))
+                t, q = pick(logits[i], s, key=draw(i)) if live[i] else (last[i], None)
+                drawn.append((t.astype(mx.uint32), q))
                 qs[i] += [] if q is None else [q]
-            last = mx.stack(drawn)
+            last = mx.stack([t for t, _ in drawn])
         steps.append(last)
-    more = mx.stack(steps, axis=1) if steps else None  # [B, max(rest)]
-    end = batch[0].size()
+        done = [n + v for n, v in zip(done, live)]
+        sure = [None if not (v and n < r and d.min_confidence is not None) else confidence(logits[i], t, q)
+                for i, (d, v, n, r, (t, q)) in enumerate(zip(drafters, live, done, rest, drawn))]
+        if any(c is not None for c in sure):  # rows whose chain ends after this token
+            mx.eval([c for c in sure if c is not None])
+            rest = [n if c is not None and c.item() < d.min_confidence else r
+                    for d, n, r, c in zip(drafters, done, rest, sure)]
+    more = mx.stack(steps, axis=1) if steps else None  # [B, depths]
+    end, depths = batch[0].size(), len(steps)
     drafts = []
     for i, d in enumerate(drafters):
-        stop = end - (max(rest) - rest[i])  # this row fed its own k - 1 drafts, no more
+        rest[i] = done[i]
+        stop = end - (depths - rest[i])  # this row fed its own drafts but its last, no more
         for c, row in zip(batch, d.cache):
             row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
             row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
             row.offset = stop - left[i]
         d._main = heads[i] if not rest[i] else mx.concatenate([heads[i], more[i, : rest[i]]])
-        drafts.append(Draft(d._main, mx.stack(qs[i][: ks[i]]) if qs[i] else None))
+        d._k = d._main.shape[0]
+        drafts.append(Draft(d._main, mx.stack(qs[i]) if qs[i] else None))
     return drafts

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
                    help="with --draft-model: its LM head drafts from the first N token ids and the text's "
                    "own tokens (default 49152; 0: its whole vocabulary)")
+    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
+                   help="with --draft-model: a draft chain ends after a token the draft model gave less "
+                   "than probability P (default 0.5; 0: chains as long as asked)")
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
