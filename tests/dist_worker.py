@@ -54,7 +54,7 @@ def lossless(out: str, runs: int) -> None:
     group = distributed.init()
     model, draft = v8_llama(), v8_llama(4.0)  # the same random weights on every rank
     distributed.shard_model(model, "tensor", group)
-    got = sampled_runs(model, [1, 2, 3, 1, 2], lambda: mlx_spec.DraftModelDrafter(draft), runs,
+    got = sampled_runs(model, [1, 2, 3, 1, 2], lambda: mlx_spec.DraftModelDrafter(draft, min_confidence=None), runs,
                        max_tokens=5, k=3, vocab=8, temp=1.0)
     deep = sum(len(t[0].proposed) == 3 for t in got.traces if t)  # first steps with 3 drafts
     Path(out, f"rank{group.rank()}.json").write_text(json.dumps(

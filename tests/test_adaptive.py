@@ -398,7 +398,7 @@ def policies(drafter):
 
 def test_what_the_policy_learned_carries_over_to_the_next_call():
     model = tiny.llama_model(seed=4)
-    drafter = mlx_spec.DraftModelDrafter(model)  # the target itself: everything is accepted
+    drafter = mlx_spec.DraftModelDrafter(model, min_confidence=None)  # the target itself: all accepted
     prompt = [5, 6, 7, 8]
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=30))
     assert not hasattr(drafter, "_mlx_spec_policy")  # nothing is written onto user objects

@@ -156,7 +156,7 @@ def test_sampled_rows_of_a_batch_have_the_targets_law():
     """Rows of different prompts, drafters and temperatures in one batch; each row's law
     (positions 1-4 and neighbouring pairs) is the target's. A wrong rule fails it."""
     model = L.v8_llama()
-    near = DraftModelDrafter(L.v8_llama(4.0))
+    near = DraftModelDrafter(L.v8_llama(4.0), min_confidence=None)  # chains as asked: deep blocks
     seen = counted(near.model)  # the two draft-model rows draft together (test_batch_draft.py)
     cases = [([1, 2, 3, 1, 2], dict(temp=1.0), lambda: near.fork()),
              ([4, 5, 6], dict(temp=0.7, top_p=0.9), lambda: near.fork()),

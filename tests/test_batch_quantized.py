@@ -42,7 +42,7 @@ def test_quantizing_changes_the_output_so_the_tests_can_fail():
 def test_quantized_rows_decode_together_with_ragged_acceptance(name):
     m = model(name)
     kw = dict(max_tokens=24, num_draft_tokens=4, quantized_kv_start=0, **QUANT)
-    drafters = [NGramDrafter(min_n=1), DraftModelDrafter(m), None]
+    drafters = [NGramDrafter(min_n=1), DraftModelDrafter(m, min_confidence=None), None]
     res = mlx_spec.batch_generate(m, tiny.tokenizer(), PROMPTS[:3], iter(drafters).__next__,
                                   trace=True, **kw)
     for p, got in zip(PROMPTS, res.tokens):
@@ -56,9 +56,9 @@ def test_quantized_rows_decode_together_with_ragged_acceptance(name):
 def test_a_seeded_quantized_row_samples_what_it_samples_alone():
     m = model()
     kw = dict(max_tokens=20, num_draft_tokens=3, temp=0.9, seed=5, quantized_kv_start=0, **QUANT)
-    alone = [r.token for r in mlx_spec.stream_generate(m, tiny.tokenizer(), PROMPTS[0], DraftModelDrafter(m), **kw)]
+    alone = [r.token for r in mlx_spec.stream_generate(m, tiny.tokenizer(), PROMPTS[0], DraftModelDrafter(m, min_confidence=None), **kw)]
     decoder = BatchDecoder(m, tiny.tokenizer(), max_batch=3)
-    uid = decoder.add(PROMPTS[0], DraftModelDrafter(m), **kw)
+    uid = decoder.add(PROMPTS[0], DraftModelDrafter(m, min_confidence=None), **kw)
     decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=20, quantized_kv_start=0, **QUANT)
     out, widths = drain(decoder)
     assert out[uid] == alone and max(widths) == 2

@@ -52,7 +52,7 @@ class Counting:
 def test_every_row_gets_its_solo_greedy_output(k):
     model = hybrid()
     other = near()
-    makers = [lambda: DraftModelDrafter(other), lambda: None, lambda: DraftModelDrafter(model)]
+    makers = [lambda: DraftModelDrafter(other, min_confidence=None), lambda: None, lambda: DraftModelDrafter(model, min_confidence=None)]
     res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, iter([m() for m in makers]).__next__,
                                   max_tokens=30, num_draft_tokens=k, trace=True)
     for prompt, got in zip(PROMPTS, res.tokens):
@@ -91,13 +91,13 @@ def test_rows_join_leave_and_stop_mid_block():
     want = reference(model, PROMPTS[1], 40)
     tok = tiny.tokenizer(eos=want[14])  # row a stops at its 15th token, inside a kept block
     decoder = BatchDecoder(model, tok, max_batch=3, prefill_chunk=5)
-    a = decoder.add(PROMPTS[1], DraftModelDrafter(model), max_tokens=40, num_draft_tokens=4)
+    a = decoder.add(PROMPTS[1], DraftModelDrafter(model, min_confidence=None), max_tokens=40, num_draft_tokens=4)
     out = {}
     for _ in range(2):
         for uid, block in decoder.step():
             out.setdefault(uid, []).extend(r.token for r in block)
     long = [int(t) for t in np.arange(17) * 7 % 90]
-    b = decoder.add(long, DraftModelDrafter(near()), max_tokens=25)
+    b = decoder.add(long, DraftModelDrafter(near(), min_confidence=None), max_tokens=25)
     c = decoder.add(PROMPTS[0], NGramDrafter(min_n=1), max_tokens=30)
     for _ in range(6):
         for uid, block in decoder.step():
@@ -115,11 +115,11 @@ def test_a_row_leaving_mid_block_leaves_its_prompt_cache_as_the_caller_saw_it(dr
     """Its batch step is undone on its own cache: states from before the block, then the
     tokens the caller saw replayed."""
     model = hybrid()
-    d = DraftModelDrafter(model if drafter == "self" else near())
+    d = DraftModelDrafter(model if drafter == "self" else near(), min_confidence=None)
     cache = mlx_spec.make_cache(model)
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
     a = decoder.add(PROMPTS[1], d, max_tokens=40, num_draft_tokens=4, prompt_cache=cache)
-    decoder.add(PROMPTS[2], DraftModelDrafter(model), max_tokens=40)
+    decoder.add(PROMPTS[2], DraftModelDrafter(model, min_confidence=None), max_tokens=40)
     out, last = {}, 0
     while last < 2 or len(out[a]) < 6:  # until a's last block is a kept draft and more
         for uid, block in decoder.step():
@@ -175,9 +175,9 @@ def test_ragged_recurrent_rollback_equals_each_rows_fresh_cache(blocks, lengths,
 def test_seeded_rows_sample_the_same_alone_or_in_the_batch():
     """Sampled rows that reject and replay: each seeded row's tokens are its solo run's."""
     model = hybrid()
-    cases = [(PROMPTS[0], dict(temp=1.0), lambda: DraftModelDrafter(near())),
+    cases = [(PROMPTS[0], dict(temp=1.0), lambda: DraftModelDrafter(near(), min_confidence=None)),
              (PROMPTS[1], dict(temp=0.7, top_p=0.9), lambda: NGramDrafter(min_n=1)),
-             (PROMPTS[2], dict(temp=1.3), lambda: DraftModelDrafter(model))]
+             (PROMPTS[2], dict(temp=1.3), lambda: DraftModelDrafter(model, min_confidence=None))]
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=3)
     uids = [decoder.add(p, make(), max_tokens=20, num_draft_tokens=3, seed=5, **kw)
             for p, kw, make in cases]
@@ -196,8 +196,8 @@ def test_sampled_rows_of_a_recurrent_batch_have_the_targets_law():
     the target's law; a wrong rule fails it."""
     model = tiny.qwen3_5_model(seed=3, vocab=8)
     draft = near(1.0, seed=3, vocab=8)  # ~70% of its drafts accepted: rejections matter
-    cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft)),
-             ([4, 5, 6], dict(temp=0.8, top_p=0.9), lambda: DraftModelDrafter(draft)),
+    cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft, min_confidence=None)),
+             ([4, 5, 6], dict(temp=0.8, top_p=0.9), lambda: DraftModelDrafter(draft, min_confidence=None)),
              ([4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
     joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]
 

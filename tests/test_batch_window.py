@@ -48,7 +48,7 @@ def test_the_window_changes_the_output_so_the_tests_can_fail():
 @pytest.mark.parametrize("k", [1, 4])
 def test_every_row_gets_its_solo_greedy_output_far_past_the_window(k, small_buffers):
     model = gemma()
-    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model)]
+    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model, min_confidence=None)]
     res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, iter([m() for m in makers]).__next__,
                                   max_tokens=48, num_draft_tokens=k, trace=True)
     for prompt, got in zip(PROMPTS, res.tokens):
@@ -70,7 +70,7 @@ def test_rows_join_and_leave_mid_batch(small_buffers):
         for uid, block in decoder.step():
             out.setdefault(uid, []).extend(r.token for r in block)
     long = [int(t) for t in np.arange(23) * 7 % 90]  # prefilled 5 tokens a step, in turn
-    b = decoder.add(long, DraftModelDrafter(model), max_tokens=12)
+    b = decoder.add(long, DraftModelDrafter(model, min_confidence=None), max_tokens=12)
     c = decoder.add(PROMPTS[0], None, max_tokens=30)
     widths = []
     for _ in range(8):
@@ -91,7 +91,7 @@ def test_a_row_leaving_the_batch_keeps_its_window_in_its_prompt_cache(small_buff
     cache = mlx_spec.make_cache(model)
     decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
     a = decoder.add(PROMPTS[1], NGramDrafter(min_n=1), max_tokens=30, prompt_cache=cache)
-    decoder.add(PROMPTS[2], DraftModelDrafter(model), max_tokens=40)
+    decoder.add(PROMPTS[2], DraftModelDrafter(model, min_confidence=None), max_tokens=40)
     out, widths = drain(decoder)
     assert max(widths) == 2 and type(cache[0]) is WindowKVCache and type(cache[1]) is KVCache
     assert cache[0].offset == cache[1].offset == len(PROMPTS[1]) + 30
@@ -116,7 +116,7 @@ def test_rows_with_sink_windows_get_mlx_lms_own_output_in_one_batch(small_buffer
     def mlx_lm(p, **kw):
         return [int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=40, **kw)]
 
-    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model)]
+    makers = [lambda: NGramDrafter(min_n=1), lambda: None, lambda: DraftModelDrafter(model, min_confidence=None)]
     res = mlx_spec.batch_generate(model, tiny.tokenizer(), PROMPTS, iter([m() for m in makers]).__next__,
                                   max_tokens=40, num_draft_tokens=4, max_kv_size=12)
     want = [mlx_lm(p, max_kv_size=12) for p in PROMPTS]
@@ -259,7 +259,7 @@ def test_sampled_rows_of_a_window_batch_have_the_targets_law():
     row crosses the window) in one batch keep the target's law; a wrong rule fails it."""
     model = tiny.gemma3_model(seed=3, window=4, vocab=8)
     draft = tiny.gemma3_model(seed=4, window=4, vocab=8)  # another network: it is often wrong
-    cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft)),
+    cases = [([1, 2, 3, 1, 2, 3], dict(temp=1.0), lambda: DraftModelDrafter(draft, min_confidence=None)),
              ([4, 5, 6], dict(temp=0.8, top_p=0.9), lambda: NGramDrafter(min_n=1)),
              ([4, 5, 4, 5], dict(temp=1.2), lambda: NGramDrafter(min_n=1))]
     joints = [L.exact_joint(model, p, 5, kw, vocab=8) for p, kw, _ in cases]

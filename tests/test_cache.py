@@ -170,7 +170,7 @@ def test_max_kv_size_decodes_like_mlx_lm_far_past_the_window():
     want = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40, max_kv_size=12)]
     unlimited = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
     assert want != unlimited  # the window changes this model's output
-    for drafter in (None, mlx_spec.NGramDrafter(min_n=1), mlx_spec.DraftModelDrafter(model)):
+    for drafter in (None, mlx_spec.NGramDrafter(min_n=1), mlx_spec.DraftModelDrafter(model, min_confidence=None)):
         out = mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, drafter, max_tokens=40,
                                        max_kv_size=12, num_draft_tokens=4)
         assert [r.token for r in out] == want

@@ -74,7 +74,7 @@ def drafters(folder, model):
     return {
         "mtp": lambda: mlx_spec.load_drafter(folder, model, kind="mtp"),
         "ngram": lambda: NGramDrafter(min_n=1, max_n=3),
-        "qwen3_5-draft": lambda: DraftModelDrafter(smaller_qwen3_5(model)),
+        "qwen3_5-draft": lambda: DraftModelDrafter(smaller_qwen3_5(model), min_confidence=None),
     }
 
 

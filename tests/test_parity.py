@@ -61,7 +61,7 @@ def test_top_p_zero_is_off_and_minus_one_tokens_is_no_limit():
 
 def test_every_response_carries_mlx_lm_fields_and_the_targets_logprobs():
     model = tiny.llama_model()
-    out = run(model, drafter=DraftModelDrafter(model), max_tokens=12, num_draft_tokens=3)
+    out = run(model, drafter=DraftModelDrafter(model, min_confidence=None), max_tokens=12, num_draft_tokens=3)
     want = list(generate_step(mx.array(PROMPT), model, max_tokens=12))
     assert [r.token for r in out] == [int(t) for t, _ in want]
     assert any(r.from_draft for r in out) and not all(r.from_draft for r in out)
@@ -78,7 +78,7 @@ def test_logits_processors_see_each_rows_own_history_so_output_stays_the_targets
     want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40,
                                               logits_processors=procs)]
     assert want != reference(model, PROMPT, 40)  # the processors change this model's output
-    for drafter in (NGramDrafter(min_n=1), DraftModelDrafter(model), Oracle(want)):
+    for drafter in (NGramDrafter(min_n=1), DraftModelDrafter(model, min_confidence=None), Oracle(want)):
         out = run(model, drafter=drafter, max_tokens=40, logits_processors=procs, num_draft_tokens=4)
         assert [r.token for r in out] == want
     # Drafting the right answer: every row must see its own history for all 4 to be kept.
@@ -134,7 +134,7 @@ def test_kv_bits_quantize_the_cache_as_mlx_lm_does_and_stay_lossless():
     want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, **kw)]
     assert plain == want
     cache = mlx_spec.make_cache(model)
-    out = run(model, drafter=DraftModelDrafter(model), prompt_cache=cache, num_draft_tokens=4, **kw)
+    out = run(model, drafter=DraftModelDrafter(model, min_confidence=None), prompt_cache=cache, num_draft_tokens=4, **kw)
     assert [r.token for r in out] == plain and out[-1].stats.accepted > 10
     assert all(isinstance(c, QuantizedKVCache) for c in cache)
 
@@ -145,7 +145,7 @@ def test_the_prompt_cache_holds_every_token_the_caller_saw_like_mlx_lms():
     eos = want[9]
     tok = tiny.tokenizer(eos=eos)
     ours, theirs = mlx_spec.make_cache(model), make_prompt_cache(model)
-    got = [r.token for r in run(model, drafter=DraftModelDrafter(model), tok=tok, max_tokens=40,
+    got = [r.token for r in run(model, drafter=DraftModelDrafter(model, min_confidence=None), tok=tok, max_tokens=40,
                                 prompt_cache=ours)]
     for token, _ in generate_step(mx.array(PROMPT), model, max_tokens=40, prompt_cache=theirs):
         if token == eos:
