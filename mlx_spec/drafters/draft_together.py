@@ -100,13 +100,12 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
     end, depths = batch[0].size(), len(steps)
     drafts = []
     for i, d in enumerate(drafters):
-        rest[i] = done[i]
-        stop = end - (depths - rest[i])  # this row fed its own drafts but its last, no more
+        stop = end - (depths - done[i])  # this row fed its own drafts but its last, no more
         for c, row in zip(batch, d.cache):
             row.keys = mx.contiguous(c.keys[i : i + 1, :, left[i] : stop])
             row.values = mx.contiguous(c.values[i : i + 1, :, left[i] : stop])
             row.offset = stop - left[i]
-        d._main = heads[i] if not rest[i] else mx.concatenate([heads[i], more[i, : rest[i]]])
+        d._main = heads[i] if not done[i] else mx.concatenate([heads[i], more[i, : done[i]]])
         d._k = d._main.shape[0]
         drafts.append(Draft(d._main, mx.stack(qs[i]) if qs[i] else None))
     return drafts
