@@ -52,16 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with "
                    "--draft-model, an EAGLE head or --draft mtp, DDTree-style trees with a DFlash or DSpark head; "
                    "default: chains")
-    p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="with --draft-model: never feed prompt lookup's guess to the draft model "
-                   "(by default its chains check the guess in their first forward)")
-    p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
-                   help="with --draft-model: its LM head drafts from the first N token ids and the text's "
-                   "own tokens (default 49152; 0: its whole vocabulary); the output is unchanged")
-    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
-                   help="with --draft-model: a draft chain ends after a token the draft model gave less "
-                   "than probability P (default 0.5; 0: chains as long as asked); the output is unchanged")
+    add_draft_model_arguments(p)
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="draft length: 1..16, or auto (default: chosen per step from measured costs)")
     p.add_argument("--recalibrate", action="store_true",
@@ -144,6 +135,24 @@ def _local_folder(model_path: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(model_path, allow_patterns=["*.json", "*.safetensors"])
+
+
+def add_draft_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--draft-model and the options of its drafter (`draft_model_options`), for generate and serve."""
+    from .drafters.draft_model import MIN_CONFIDENCE
+    from .drafters.short_head import HEAD_VOCAB
+
+    p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
+    p.add_argument("--no-lookup", action="store_true",
+                   help="with --draft-model: never feed prompt lookup's guess to the draft model "
+                   "(by default its chains check the guess in their first forward)")
+    p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
+                   help="with --draft-model: its LM head drafts from the first N token ids and the text's "
+                   f"own tokens (default {HEAD_VOCAB}; 0: its whole vocabulary); the output is unchanged")
+    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
+                   help="with --draft-model: a draft chain ends after a token the draft model gave less "
+                   f"than probability P (default {MIN_CONFIDENCE}; 0: chains as long as asked); the output "
+                   "is unchanged")
 
 
 def draft_model_options(args) -> dict:

@@ -10,9 +10,9 @@ forward the draft model's argmax and its probability at every position of that t
 with a fixed draft length k: a step drafts up to k tokens, ending after the first token whose
 probability is below the threshold (`DraftModelDrafter(min_confidence=...)`; 0: never), the
 target keeps the drafts up to the first disagreement and one token more. A step costs the
-measured forwards: the draft's one-token forward per drafted token and the target's forward
-over the drafted tokens + 1 (timed here, medians of interleaved rounds, 300 tokens of
-context). Printed: the replayed speed-up over plain decoding (the target's one-token forward a
+forwards `auto` itself weighs (`mlx_spec.calibration.verify_seconds`, measured once per model
+and device and cached; `--recalibrate` measures again): the draft's one-token forward per
+drafted token and the target's forward over the drafted tokens + 1. Printed: the replayed speed-up over plain decoding (the target's one-token forward a
 token) for every threshold and k, pooled and per suite at the best k. An estimate: the draft
 past a rejection sees the target's text, not its own, and `auto` picks k per step.
 """
@@ -20,9 +20,7 @@ past a rejection sees the target's text, not its own, and `auto` picks k per ste
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 
 def main() -> int:
@@ -36,6 +34,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--thresholds", default="0,0.3,0.4,0.5,0.6")
     p.add_argument("--lengths", default="4,6,8,12,16")
+    p.add_argument("--recalibrate", action="store_true", help="measure both models' forward costs again")
     args = p.parse_args()
 
     import mlx.core as mx
@@ -43,7 +42,7 @@ def main() -> int:
 
     import mlx_spec
     from mlx_spec.bench.suites import SUITE_ORDER as SUITES, encode_chat, load_suite
-    from mlx_spec.cache import make_cache
+    from mlx_spec.calibration import verify_seconds
     from mlx_spec.generate_cli import resolve_model
 
     target, tok = mlx_spec.load(resolve_model(args.model))
@@ -62,16 +61,13 @@ def main() -> int:
             sure = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
             agree = [a == t for a, t in zip(mx.argmax(logits, axis=-1).tolist(), out)]
             texts.append((suite, agree, sure))
-    verify = forward_ms(target, make_cache, [1, *sorted({k + 1 for k in lengths})])
-    draft_ms = forward_ms(draft, make_cache, [1])[1]
-    print(f"target forward ms by tokens: { {n: round(v, 1) for n, v in verify.items()} }; draft one-token forward "
-          f"{draft_ms:.1f} ms")
+    curve = [1000 * t for t in verify_seconds(target, recalibrate=args.recalibrate)]  # ms, n = 1..17
+    draft_ms = 1000 * verify_seconds(draft, n_max=1, recalibrate=args.recalibrate)[0]
+    print(f"target forward ms by tokens: {', '.join(f'{n + 1}: {t:.1f}' for n, t in enumerate(curve))}; "
+          f"draft one-token forward {draft_ms:.1f} ms")
 
-    def cost(n):  # the target's forward over n tokens, interpolated between the measured sizes
-        xs = sorted(verify)
-        lo = max(x for x in xs if x <= n)
-        hi = min((x for x in xs if x >= n), default=lo)
-        return verify[lo] if hi == lo else verify[lo] + (verify[hi] - verify[lo]) * (n - lo) / (hi - lo)
+    def cost(n):  # the target's forward over n tokens
+        return curve[min(n, len(curve)) - 1]
 
     def replay(runs, k, stop):
         tokens = seconds = 0.0
@@ -89,7 +85,7 @@ def main() -> int:
                 tokens += kept + 1
                 seconds += n * draft_ms + cost(n + 1)
                 pos += kept + 1
-        return verify[1] * tokens / seconds
+        return curve[0] * tokens / seconds
 
     print(f"{'min_confidence':>14s} " + " ".join(f"{'k=' + str(k):>7s}" for k in lengths) + "  best k: per suite")
     for stop in (float(t) for t in args.thresholds.split(",")):
@@ -99,24 +95,6 @@ def main() -> int:
         print(f"{stop:14g} " + " ".join(f"{r:6.2f}x" for r in rates)
               + f"  k={best}: " + ", ".join(f"{s} {r:.2f}x" for s, r in per.items()))
     return 0
-
-
-def forward_ms(model, make_cache, sizes, context=300, rounds=5) -> dict[int, float]:
-    """Median ms of a forward over n tokens after `context` cached ones, for each n."""
-    import mlx.core as mx
-
-    cache = make_cache(model)
-    model(mx.array([[100 + i % 5000 for i in range(context)]]), cache=cache)
-    mx.eval([c.state for c in cache])
-    times = {n: [] for n in sizes}
-    for r in range(rounds):
-        for n in sizes:
-            tic = time.perf_counter()
-            mx.eval(model(mx.array([[200 + r] * n]), cache=cache))
-            times[n].append(1000 * (time.perf_counter() - tic))
-            for c in cache:
-                c.trim(n)
-    return {n: statistics.median(v) for n, v in times.items()}
 
 
 if __name__ == "__main__":

@@ -63,8 +63,10 @@ def propose_together(drafters: list, ys: list[int], ks: list[int], samplings: li
             t, q = pick(rows, s, key=draw(i))
             heads.append(t.astype(mx.uint32).reshape(1))
             qs.append([] if q is None else [q])
-            unsure = d.min_confidence is not None and confidence(rows, t, q).item() < d.min_confidence
+            unsure = None if d.min_confidence is None else confidence(rows, t, q)  # read below, at once
         ended.append(unsure)
+    mx.eval([e for e in ended if isinstance(e, mx.array)])
+    ended = [e.item() < d.min_confidence if isinstance(e, mx.array) else bool(e) for d, e in zip(drafters, ended)]
     # the padding and the refused guesses' rows go to the left padding
     right = [L - len(row) + len(g) + 1 - h.size for row, g, h in zip(inputs, guesses, heads)]
     left = [max(sizes) - s + r for s, r in zip(sizes, right)]

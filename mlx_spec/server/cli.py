@@ -18,7 +18,8 @@ import argparse
 import importlib.util
 import sys
 
-from ..generate_cli import DEFAULT_MODEL, WITH_DRAFT_MODEL, _k, add_cache_arguments, add_dist_timeout
+from ..generate_cli import (DEFAULT_MODEL, WITH_DRAFT_MODEL, _k, add_cache_arguments, add_dist_timeout,
+                            add_draft_model_arguments)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -30,15 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None,
                    help="drafter: ngram (default), none, mtp, dspark, or a converted head folder; with "
                    "--draft-model: model (the draft model alone, the default) or ngram+model")
-    p.add_argument("--draft-model", default=None, help="a small model with the target's tokenizer")
-    p.add_argument("--no-lookup", action="store_true",
-                   help="with --draft-model: never feed prompt lookup's guess to the draft model")
-    p.add_argument("--draft-head-vocab", type=int, default=None, metavar="N",
-                   help="with --draft-model: its LM head drafts from the first N token ids and the text's "
-                   "own tokens (default 49152; 0: its whole vocabulary)")
-    p.add_argument("--draft-min-confidence", type=float, default=None, metavar="P",
-                   help="with --draft-model: a draft chain ends after a token the draft model gave less "
-                   "than probability P (default 0.5; 0: chains as long as asked)")
+    add_draft_model_arguments(p)
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
