@@ -119,7 +119,9 @@ def test_load_rebuilds_the_report_without_running(tiny_models, tmp_path, capsys)
     assert capsys.readouterr().out == first
 
 
-def test_load_adds_the_head_to_head_to_results_saved_before_it(tiny_models, tmp_path, capsys):
+def test_load_judges_saved_runs_by_this_versions_rules(tiny_models, tmp_path, capsys):
+    """A results.json from an older mlx-spec, without the head-to-head table or with targets
+    judged by older rules, is judged again from its run records."""
     out = tmp_path / "run"
     cli.main(["bench", "--model", "target", "--draft-model", "draft", "--methods",
               "baseline,draft,mlx-lm-draft", "--suites", "chat", "--num-draft-tokens", "2",
@@ -131,6 +133,10 @@ def test_load_adds_the_head_to_head_to_results_saved_before_it(tiny_models, tmp_
     old["targets"] = summary.evaluate_targets(saved["summary"], saved["identical"], greedy=True)
     (out / "old.json").write_text(json.dumps(old))
     assert cli.main(["bench", "--load", str(out / "old.json")]) == 0
+    assert capsys.readouterr().out == first
+    stale = {**saved, "head_to_head": [], "targets": [{**t, "met": not t["met"]} for t in saved["targets"]]}
+    (out / "stale.json").write_text(json.dumps(stale))
+    assert cli.main(["bench", "--load", str(out / "stale.json")]) == 0
     assert capsys.readouterr().out == first
 
 

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         _list_presets()
         return 0
     if args.load:
-        result = _with_head_to_head(json.loads(Path(args.load).read_text()))
+        result = _judged(json.loads(Path(args.load).read_text()))
         return _report(result, args, Path(args.out) if args.out != "bench-results" else Path(args.load).parent)
     if args.preset:
         preset = claims_mod.PRESETS.get(args.preset)
@@ -194,12 +194,13 @@ def _measure(args) -> dict | None:
     }
 
 
-def _with_head_to_head(result: dict) -> dict:
-    """A results.json saved before the head-to-head table gets it (and the targets' notes
-    that use it) from its own run records, on `--load`."""
+def _judged(result: dict) -> dict:
+    """A saved results.json judged again from its own run records on `--load`: the head-to-head
+    table, the targets and their notes by this version's rules (a file saved by an older
+    mlx-spec may lack them, or hold what older rules made of the same runs)."""
     from .summary import judge
 
-    if "head_to_head" in result or not result.get("runs"):
+    if not result.get("runs"):
         return result
     return {**result, **judge(result["runs"], result["summary"], result["identical"],
                               result["config"]["suites"], greedy=result["config"]["temp"] == 0)}
