@@ -20,6 +20,7 @@ import pytest
 
 import mlx_spec
 import tiny
+from mlx_spec.server import engine as engine_mod
 from server_utils import (metrics, open_stream, post, read_events, request, running_server, send_only,
                           sse_data, submitted_together, wait_for, word_tokenizer)
 from test_conversations import drafter_case
@@ -184,6 +185,74 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
     assert metrics(s.port)['mlx_spec:requests_total{status="rejected"}'] >= 1
 
 
+def test_requests_that_fit_the_free_batch_places_never_count_as_waiting(ngram_server):
+    """--max-queue bounds the requests waiting while others decode: with --max-queue 0 a
+    request that finds a free place in the batch is served, one that would wait gets 429."""
+    s = ngram_server
+    s.engine.max_queue, s.engine.max_batch = 0, 2
+    body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 3000}
+    streams = []
+    try:
+        for n in (1, 2):  # each finds a free place, however fast it comes
+            streams.append(open_stream(s.port, "/v1/chat/completions", {**body, "stream": True}))
+            assert streams[-1][1].status == 200
+            wait_for(lambda: s.engine.running == n, what=f"{n} running requests")
+        status, error = post(s.port, "/v1/chat/completions", body)
+        assert status == 429 and "--max-queue 0" in error["error"]["message"]
+    finally:
+        for conn, _ in streams:
+            conn.close()
+        wait_for(lambda: s.engine.running == 0, what="the streams to stop")
+        s.engine.max_queue, s.engine.max_batch = 16, 4
+
+
+def test_a_shutdown_answers_unfinished_requests_503_never_a_finished_answer():
+    """Shutting down cancels every job: a client waiting for a whole answer gets a 503 (not a
+    cut-off text marked as finished), a stream ends with an error event, and a request that
+    arrives meanwhile gets 503 (not 429, which clients retry at once)."""
+    model, tok = tiny.llama_model(), word_tokenizer()
+    body = {"model": "test-model", "messages": MESSAGES, "max_tokens": 100000, "temperature": 0}
+    got = {}
+
+    def ask(path, extra=None):
+        got[(path, bool(extra))] = request(s.port, "POST", path, {**body, **(extra or {})}, timeout=60)
+
+    with running_server(model, tok, mlx_spec.NGramDrafter(min_n=1), num_draft_tokens=3) as s:
+        asks = [threading.Thread(target=ask, args=a) for a in (
+            ("/v1/chat/completions",), ("/v1/messages",), ("/v1/chat/completions", {"stream": True}),
+            ("/v1/messages", {"stream": True}))]
+        for t in asks:
+            t.start()
+        wait_for(lambda: s.engine.running == 4, what="four running requests")
+        s.server.should_exit = True  # what uvicorn does on Ctrl-C or SIGTERM
+        for t in asks:
+            t.join(60)
+        with pytest.raises(engine_mod.Closing):  # (refused before the job is looked at)
+            s.engine.submit(object())
+    status, _, raw = got[("/v1/chat/completions", False)]
+    assert status == 503 and json.loads(raw)["error"]["type"] == "server_error"
+    status, _, raw = got[("/v1/messages", False)]
+    assert status == 503 and json.loads(raw)["error"]["type"] == "overloaded_error"
+    status, _, raw = got[("/v1/chat/completions", True)]
+    assert status == 200 and "shut down" in sse_data(raw)[-1]["error"]["message"]
+    status, _, raw = got[("/v1/messages", True)]
+    assert status == 200 and raw.rstrip().split(b"\n")[-2] == b"event: error" and b"message_stop" not in raw
+
+
+@pytest.mark.parametrize("path, messages", [
+    ("/v1/chat/completions", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+    ("/v1/chat/completions", MESSAGES + [{"role": "assistant", "content": "", "tool_calls": "f()"}]),
+    ("/v1/chat/completions", MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": "f()"}]}]),
+    ("/v1/messages", [{"role": "user", "content": [{"type": "text", "text": ["w5"]}]}]),
+])
+def test_misshaped_message_parts_get_400_not_500(ngram_server, path, messages):
+    before = metrics(ngram_server.port)['mlx_spec:requests_total{status="invalid"}']
+    status, error = post(ngram_server.port, path, {"messages": messages, "max_tokens": 2})
+    assert status == 400, error
+    assert metrics(ngram_server.port)['mlx_spec:requests_total{status="invalid"}'] == before + 1
+
+
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "w5"}]}, "messages"),
@@ -199,6 +268,8 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
 def test_invalid_fields_get_400_naming_the_field_before_any_model_work(ngram_server, body, param):
     before = metrics(ngram_server.port)["mlx_spec:prompt_tokens_total"]
@@ -288,6 +359,8 @@ def test_the_api_key_is_required_everywhere_but_health():
         assert status == 401 and error["error"]["type"] == "authentication_error"
         assert request(s.port, "GET", "/metrics")[0] == 401
         assert request(s.port, "GET", "/health")[0] == 200
+        status, _ = post(s.port, "/v1/messages", body, {"authorization": "Bearer other", "x-api-key": "s3cret"})
+        assert status == 200  # either header may hold the key
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
         assert ok.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError):

@@ -18,8 +18,9 @@ import json
 import uuid
 
 from .engine import Failed, Finished, Piece
-from .errors import INTERNAL, ApiError, invalid
-from .params import Body, Call, chat_prompt, check_prompt, generation_options, model_name, text_of, validate
+from .errors import INTERNAL, ApiError, invalid, shut_down
+from .params import (Body, Call, chat_prompt, check_prompt, generation_options, model_name, part_text, text_of,
+                     validate)
 from .text import Router
 
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's documented default
@@ -65,7 +66,7 @@ def _message(m: dict, i: int) -> list[dict]:
     for block in content:
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text":
-            text.append(block.get("text", ""))
+            text.append(part_text(block, f"messages[{i}]"))
         elif kind == "tool_use" and role == "assistant":
             calls.append({"id": block.get("id"), "type": "function",
                           "function": {"name": block.get("name"), "arguments": block.get("input") or {}}})
@@ -167,6 +168,8 @@ class Reply:
             event = await job.next()
             if isinstance(event, Failed):
                 raise ApiError(500, INTERNAL)
+            if (stopped := shut_down(event)) is not None:
+                raise stopped
             r = self.route(event)
             add("thinking", "thinking", r.reasoning)
             add("text", "text", r.content)
@@ -201,7 +204,8 @@ class Reply:
             if isinstance(event, Failed):
                 yield _event("error", ApiError(500, INTERNAL).anthropic())
                 return
-            if isinstance(event, Finished) and event.reason == "cancelled":
+            if (stopped := shut_down(event)) is not None:
+                yield _event("error", stopped.anthropic())
                 return
             r, out = self.route(event), b""
             if r.reasoning:

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from . import anthropic, openai
-from .engine import Job, QueueFull
+from .engine import Closing, Job, QueueFull
 from .errors import INTERNAL, ApiError, invalid
 from .params import Body
 
@@ -92,12 +92,10 @@ class ApiKey:
         if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        given = headers.get(b"x-api-key", b"")
         auth = headers.get(b"authorization", b"")
-        if auth[:7].lower() == b"bearer ":
-            given = auth[7:].strip()
-        if not hmac.compare_digest(given, self.key):
-            what = "a wrong API key" if given else "no API key"
+        given = [headers.get(b"x-api-key", b""), auth[7:].strip() if auth[:7].lower() == b"bearer " else b""]
+        if not any(hmac.compare_digest(g, self.key) for g in given):  # either header may hold it
+            what = "a wrong API key" if any(given) else "no API key"
             error = ApiError(401, f"{what}: send the server's --api-key as 'Authorization: Bearer "
                                   "KEY' (OpenAI clients) or 'x-api-key: KEY' (Anthropic clients)")
             return await error_response(error, scope["path"])(scope, receive, send)
@@ -131,9 +129,9 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             job = Job(call.prompt, call.options, call.use_drafter, call.stops, call.logprobs)
             try:
                 engine.submit(job)
-            except QueueFull as e:
+            except (QueueFull, Closing) as e:
                 engine.metrics.request_done("rejected")
-                raise ApiError(429, str(e)) from None
+                raise ApiError(503 if isinstance(e, Closing) else 429, str(e)) from None
             return JobResponse(job, engine, reply_type(call, engine), call.stream, request.url.path)
         return handler
 
@@ -176,6 +174,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
 
     async def server_error(request: Request, e: Exception):
         log.error("request to %s failed", request.url.path, exc_info=e)
+        engine.metrics.request_done("failed")
         return error_response(ApiError(500, INTERNAL), request.url.path)
 
     chat = generation(openai.parse_chat, openai.Reply)

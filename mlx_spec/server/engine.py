@@ -44,6 +44,13 @@ class QueueFull(Exception):
     pass
 
 
+class Closing(Exception):
+    """The server is shutting down: no new job is taken."""
+
+    def __str__(self) -> str:
+        return "the server is shutting down; retry on another server or once it has restarted"
+
+
 class _Cancelled(Exception):
     """Raised from the prefill's progress callback when the client has left."""
 
@@ -114,10 +121,11 @@ class Engine:
     def submit(self, job: Job) -> None:
         with self._cond:
             if self._closing:
-                raise QueueFull("the server is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting "
-                                f"(--max-queue {self.max_queue}); retry later")
+                raise Closing()
+            free = max(0, self.max_batch - len(self._runs))  # jobs that join at the next step
+            if len(self._waiting) - free >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting) - free} requests are already waiting for a place "
+                                f"(--max-batch {self.max_batch}, --max-queue {self.max_queue}); retry later")
             self._waiting.append(job)
             self._cond.notify()
 

@@ -51,3 +51,10 @@ def invalid(message: str, param: str | None = None) -> ApiError:
 
 
 INTERNAL = "the server failed while serving this request; its log has the details"
+SHUT_DOWN = "the server shut down before this answer was finished; send the request again once it is back"
+
+
+def shut_down(event) -> ApiError | None:
+    """A job's last event, when the server's shutdown cancelled it: the error to answer with
+    (503), not a finished answer (a client that left never reads it)."""
+    return ApiError(503, SHUT_DOWN) if getattr(event, "reason", None) == "cancelled" else None

@@ -19,7 +19,7 @@ import time
 import uuid
 
 from .engine import Failed, Finished, Piece
-from .errors import INTERNAL, ApiError, invalid
+from .errors import INTERNAL, ApiError, invalid, shut_down
 from .params import (DEFAULT_MAX_TOKENS, Body, Call, chat_prompt, check_prompt, generation_options,
                      model_name, text_of, tool_arguments_as_objects, validate)
 from .text import Routed, Router
@@ -82,7 +82,7 @@ def parse_completion(body: Body, engine) -> Call:
     except ValueError as e:
         raise invalid(str(e), "prompt") from e
     limit = body.integer("max_tokens", None, 1) or DEFAULT_MAX_TOKENS
-    options, use = generation_options(body, engine, max_tokens=check_prompt(ids, limit, engine))
+    options, use = generation_options(body, engine, max_tokens=check_prompt(ids, limit, engine, "prompt"))
     logprobs = body.integer("logprobs", None, 0, 5)
     return validate(Call(ids, options, use, model, body.boolean("stream"), body.stops("stop"),
                          logprobs, _include_usage(body), chat=False), engine)
@@ -178,6 +178,8 @@ class Reply:
             event = await job.next()
             if isinstance(event, Failed):
                 raise ApiError(500, INTERNAL)
+            if (stopped := shut_down(event)) is not None:
+                raise stopped
             end = _end(event) if isinstance(event, Finished) else None
             text = event.text if isinstance(event, Piece) else ""
             if isinstance(event, Piece):
@@ -219,7 +221,8 @@ class Reply:
             if isinstance(event, Failed):
                 yield _sse(ApiError(500, INTERNAL).openai())
                 return
-            if isinstance(event, Finished) and event.reason == "cancelled":
+            if (stopped := shut_down(event)) is not None:
+                yield _sse(stopped.openai())
                 return
             piece = event if isinstance(event, Piece) else None
             r = self.route(piece.text if piece else "", _end(event) if piece is None else None)

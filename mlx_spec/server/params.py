@@ -12,6 +12,7 @@ refuses prompts the model's context cannot hold.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,7 @@ class Body:
 
     def number(self, name: str, default: float, low: float, high: float | None = None) -> float:
         value = self.raw(name, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
         if not ok or value < low or (high is not None and value > high):
             bound = f"between {low} and {high}" if high is not None else f">= {low}"
             raise invalid(f"'{name}' must be a number {bound}, got {value!r}", name)
@@ -166,9 +167,17 @@ def text_of(content, where: str, allow=("text",)) -> str:
             if kind not in allow:
                 raise invalid(f"{where}: content parts of type {kind!r} are not supported by this "
                               "server (text only)", "messages")
-            parts.append(part.get("text", ""))
+            parts.append(part_text(part, where))
         return "".join(parts)
     raise invalid(f"{where}: 'content' must be a string or a list of text parts", "messages")
+
+
+def part_text(part: dict, where: str) -> str:
+    """A text part's (or block's) `text`, which must be a string."""
+    text = part.get("text", "")
+    if not isinstance(text, str):
+        raise invalid(f"{where}: a text part's 'text' must be a string, got {type(text).__name__}", "messages")
+    return text
 
 
 def chat_prompt(tokenizer, messages: list[dict], tools: list | None, template_kwargs: dict) -> list[int]:
@@ -190,8 +199,13 @@ def tool_arguments_as_objects(message: dict) -> dict:
     calls = message.get("tool_calls")
     if not calls:
         return message
+    shape = "'tool_calls' must be a list of {id, type, function: {name, arguments}}"
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise invalid(shape, "messages")
     fixed = []
     for call in calls:
+        if not isinstance(call.get("function") or {}, dict):
+            raise invalid(shape, "messages")
         fn = dict(call.get("function") or {})
         args = fn.get("arguments")
         if isinstance(args, str):
@@ -217,16 +231,17 @@ def context_length(model) -> int | None:
     return None
 
 
-def check_prompt(prompt: list[int], max_tokens: int, engine) -> int:
-    """Refuse a prompt the context cannot hold; return max_tokens cut to the room left."""
+def check_prompt(prompt: list[int], max_tokens: int, engine, param: str = "messages") -> int:
+    """Refuse a prompt the context cannot hold; return max_tokens cut to the room left.
+    `param`: the request field that holds the prompt."""
     if not prompt:
-        raise invalid("the prompt is empty: give at least one token of text", "messages")
+        raise invalid("the prompt is empty: give at least one token of text", param)
     limit = engine.context_length
     if limit is None:
         return max_tokens
     if len(prompt) >= limit:
         raise invalid(f"the prompt has {len(prompt)} tokens and this model's context holds "
-                      f"{limit}; shorten the conversation (or start a new one)", "messages")
+                      f"{limit}; shorten the conversation (or start a new one)", param)
     return min(max_tokens, limit - len(prompt))
 
 
