@@ -378,7 +378,7 @@ def _trimmed(model, rows: list[Row], drafts: list) -> list:
     from .batch_policy import trim_drafts
     from .distributed import agree_lengths
 
-    keep = trim_drafts(model, [r.lengths for r in rows], drafts)
+    keep = trim_drafts(model, [r.lengths for r in rows], drafts, [r.offer[0] for r in rows])
     keep = [n for n, _ in agree_lengths(model, [(n, None) for n in keep])]
     return [d if n >= d.size else EMPTY if n == 0 else
             Draft(d.tokens[:n], None if d.q is None else d.q[:n],

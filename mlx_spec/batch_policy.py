@@ -219,7 +219,7 @@ def plain_next(model, policies: list) -> bool:
     return max(range(len(rates)), key=rates.__getitem__) == 0
 
 
-def trim_drafts(model, policies: list, drafts: list) -> list[int]:
+def trim_drafts(model, policies: list, drafts: list, asked: list[int]) -> list[int]:
     """How many of its proposed tokens each row verifies, now that the drafts are known.
 
     `choose_for_batch` assumed every auto row would propose K tokens; a row whose drafter
@@ -228,15 +228,22 @@ def trim_drafts(model, policies: list, drafts: list) -> list[int]:
     (0: a plain step) maximising sum_i E_i(min(W, len_i)) / T(B x (W + 1)); fixed-k rows keep
     theirs. A probe keeps W >= 1 when some row proposed (else it waits for a step where one
     does); an exploring step keeps its length when drafting pays at all.
+
+    A draft drawn from the drafter's q (`Draft.q`: rejection-sampled) is weighed at the length
+    it was `asked` for, not the one it has: a chain can end on its own last token (after a token
+    the draft model was unsure of), so a W read from its length would decide whether that token
+    is verified from the token itself, which the target's law does not survive. Its length only
+    caps the cut (min(W, length) depends on the tokens before each position).
     """
     costs = _costs(model)
     sizes = [d.size for d in drafts]
-    auto = [s for p, s in zip(policies, sizes) if isinstance(p, AdaptiveK)]
+    weighed = [a if d.q is not None else s for a, d, s in zip(asked, drafts, sizes)]
+    auto = [s for p, s in zip(policies, weighed) if isinstance(p, AdaptiveK)]
     if not auto:
         return sizes
-    cut = lambda W: [min(W, s) if isinstance(p, AdaptiveK) else s  # noqa: E731
-                     for p, s in zip(policies, sizes)]
-    rates = [_rate(model, policies, cut(W), costs) for W in range(max(auto) + 1)]
+    cut = lambda W, lengths: [min(W, s) if isinstance(p, AdaptiveK) else s  # noqa: E731
+                              for p, s in zip(policies, lengths)]
+    rates = [_rate(model, policies, cut(W, weighed), costs) for W in range(max(auto) + 1)]
     W = max(range(len(rates)), key=rates.__getitem__)
     if costs.plan == "probe" and max(auto) > 0:
         W = max(W, 1)
@@ -246,7 +253,7 @@ def trim_drafts(model, policies: list, drafts: list) -> list[int]:
     elif W > 0:  # drafting pays on its merits
         costs.parked, costs.probe_every = 0, PROBE_FIRST
     costs.plan = None  # a probe nobody could answer is asked again next step (still due)
-    return cut(W)
+    return cut(W, sizes)
 
 
 def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None,

@@ -269,3 +269,41 @@ def test_a_batch_looks_one_token_deeper_after_rows_kept_all_they_drafted(synthet
     for p in policies:
         p.seen[1][4] = adaptive.CURIOUS  # well known (and low): no more looking
     assert [k for k, _ in batch_policy.choose_for_batch(model, policies)] == [4, 4]
+
+
+def test_a_sampled_draft_is_weighed_at_the_length_it_was_asked_for(synthetic_costs):
+    """Whether a rejection-sampled draft token is verified must never depend on the token
+    itself, and a draft model's chain ends after a token it was unsure of: its length says
+    how sure it was of its last token. So a batch's cut weighs a draft drawn from q at the
+    length it was asked for, and its own length only caps the cut: over many step-shaped cost
+    curves, a row whose chain ended at its second token is cut as one that ran to the asked
+    8, up to its length. Point masses (n-gram drafts) are weighed at their length, and these
+    curves do make the cut depend on it (the check can fail)."""
+    import random
+
+    model = tiny.llama_model()
+
+    def policy(curve, a):
+        p = adaptive.AdaptiveK(adaptive.CostModel(curve), 8, timed=False)
+        for s in range(len(p.accept)):
+            p.accept[s], p.seen[s] = [a] * p.k_max, [5] * p.k_max
+        return p
+
+    def draft(n, sampled):
+        q = mx.full((n, tiny.VOCAB), 1 / tiny.VOCAB) if sampled else None
+        return mlx_spec.Draft(mx.arange(n).astype(mx.uint32), q)
+
+    rng, depends = random.Random(0), 0
+    for _ in range(400):
+        steps = [rng.choice([0.0, 0.0, 0.0, 0.02, 0.5]) for _ in range(adaptive.N_MAX)]
+        curve = [1.0 + sum(steps[:n]) for n in range(1, adaptive.N_MAX + 1)]
+        a = rng.choice([0.5, 0.7, 0.9])
+
+        def keep(n, sampled):
+            return batch_policy.trim_drafts(model, [policy(curve, a), policy(curve, a)],
+                                            [draft(8, False), draft(n, sampled)], [8, 8])
+
+        ended, ran = keep(2, True), keep(8, True)
+        assert ended == [ran[0], min(ran[1], 2)]
+        depends += keep(2, False)[0] != keep(8, False)[0]
+    assert depends >= 5
