@@ -181,6 +181,15 @@ def make_drafter(args, model, model_path: str):
     import mlx_spec
 
     branches, budget = getattr(args, "branches", 1), getattr(args, "tree_budget", None)
+    given = [flag for flag, name in (("--draft-head-vocab", "draft_head_vocab"),
+                                     ("--draft-min-confidence", "draft_min_confidence"))
+             if getattr(args, name, None) is not None]
+    if given and args.draft_model is None:
+        raise ValueError(f"{' and '.join(given)} set the draft model's drafter: give --draft-model PATH "
+                         "too, or leave them out")
+    if getattr(args, "draft_min_confidence", None) and (branches != 1 or budget is not None):
+        raise ValueError("--draft-min-confidence ends draft chains early; trees (--branches, --tree-budget) "
+                         "are drafted whole: leave one of them out")
     if args.draft_model is not None:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         model_drafter = mlx_spec.DraftModelDrafter(draft, draft_tok, branches=branches, tree_budget=budget,

@@ -131,6 +131,12 @@ def test_the_cli_sets_min_confidence_and_policies_learn_apart(tmp_path):
     assert generate_cli.draft_model_options(parser.parse_args([])) == {}
     with pytest.raises(ValueError, match="--draft-min-confidence must be a probability"):
         generate_cli.draft_model_options(parser.parse_args(["--draft-min-confidence", "1.5"]))
+    for flags, message in ((["--draft-min-confidence", "0.3"], "give --draft-model PATH"),
+                           (["--draft-head-vocab", "0"], "give --draft-model PATH"),
+                           (["--draft-model", "d", "--draft-min-confidence", "0.3", "--tree-budget", "8"],
+                            "trees .* are drafted whole")):
+        with pytest.raises(ValueError, match=message):  # refused before any model is loaded
+            generate_cli.make_drafter(parser.parse_args(flags), model, "target")
     names = {p: learned.policy_file(model, DraftModelDrafter(model, min_confidence=p), None).name
              for p in (MIN_CONFIDENCE, None, 0.3)}
     assert len(set(names.values())) == 3

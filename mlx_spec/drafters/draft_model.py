@@ -27,7 +27,8 @@ gave less than probability p (its argmax's softmax value; sampled: q of the toke
 Hugging Face's assisted generation does with `assistant_confidence_threshold`; that token
 is still proposed, so the target's acceptance law is untouched. `auto` asks for a length
 and the chain stops short where the draft is unsure: the forwards past it, likely rejected,
-are not paid for. One host read a draft token.
+are not paid for. One host read a draft token. Trees (`branches`, `tree_budget`) are drafted
+whole: the threshold applies to chains (guided or not) only.
 
 Trees: `branches=b` adds each depth's b - 1 runner-up tokens as leaves of the chain;
 `tree_budget=N` grows an EAGLE-2 dynamic tree of N nodes and at most k levels
