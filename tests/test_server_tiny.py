@@ -239,6 +239,22 @@ def test_a_shutdown_answers_unfinished_requests_503_never_a_finished_answer():
     assert status == 200 and raw.rstrip().split(b"\n")[-2] == b"event: error" and b"message_stop" not in raw
 
 
+def test_an_empty_answer_is_an_empty_string_and_long_prompts_are_still_counted(ngram_server):
+    s, c = ngram_server, client(ngram_server)
+    first = c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=1, temperature=0)
+    word = first.choices[0].message.content.strip()
+    cut = c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=4, temperature=0, stop=[word])
+    assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "stop"  # not None
+    limit, s.engine.context_length = s.engine.context_length, 4
+    try:  # a prompt the context cannot hold is still counted (a client counts to know when to cut)
+        status, counted = post(s.port, "/v1/messages/count_tokens", {"model": "test-model", "messages": MESSAGES})
+        assert status == 200 and counted["input_tokens"] > 4
+        status, error = post(s.port, "/v1/messages", {"messages": MESSAGES, "max_tokens": 2})
+        assert status == 400 and "context holds 4" in error["error"]["message"]
+    finally:
+        s.engine.context_length = limit
+
+
 @pytest.mark.parametrize("path, messages", [
     ("/v1/chat/completions", [{"role": "user", "content": [{"type": "text", "text": 5}]}]),
     ("/v1/chat/completions", MESSAGES + [{"role": "assistant", "content": "", "tool_calls": "f()"}]),

@@ -31,6 +31,17 @@ def parse_messages(body: Body, engine) -> Call:
     max_tokens = body.integer("max_tokens", None, 1)
     if max_tokens is None:
         raise invalid("'max_tokens' is required (an integer >= 1)", "max_tokens")
+    prompt, tools = _prompt(body, engine)
+    if "temperature" not in body:
+        body.data["temperature"] = DEFAULT_TEMPERATURE
+    options, use = generation_options(body, engine, max_tokens=check_prompt(prompt, max_tokens, engine))
+    return validate(Call(prompt, options, use, model, body.boolean("stream"),
+                         body.stops("stop_sequences"), None, True, tools), engine)
+
+
+def _prompt(body: Body, engine) -> tuple[list[int], list | None]:
+    """The request's token ids through the chat template (system, messages, tools, thinking),
+    and its tools."""
     messages = body.raw("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -47,12 +58,7 @@ def parse_messages(body: Body, engine) -> Call:
     thinking = body.mapping("thinking").get("type")
     if thinking is not None and engine.tokenizer.has_thinking:
         kwargs.setdefault("enable_thinking", thinking != "disabled")
-    prompt = chat_prompt(engine.tokenizer, chat, tools, kwargs)
-    if "temperature" not in body:
-        body.data["temperature"] = DEFAULT_TEMPERATURE
-    options, use = generation_options(body, engine, max_tokens=check_prompt(prompt, max_tokens, engine))
-    return validate(Call(prompt, options, use, model, body.boolean("stream"),
-                         body.stops("stop_sequences"), None, True, tools), engine)
+    return chat_prompt(engine.tokenizer, chat, tools, kwargs), tools
 
 
 def _message(m: dict, i: int) -> list[dict]:
@@ -110,10 +116,10 @@ def _tools(body: Body) -> list | None:
 
 
 def count_tokens(body: Body, engine) -> dict:
-    """`POST /v1/messages/count_tokens`: the prompt's length after the chat template."""
-    body.data.setdefault("max_tokens", 1)
-    call = parse_messages(body, engine)
-    return {"input_tokens": len(call.prompt)}
+    """`POST /v1/messages/count_tokens`: the prompt's length after the chat template, also for
+    a prompt longer than the context (a client counts to know when to shorten)."""
+    model_name(body, engine)
+    return {"input_tokens": len(_prompt(body, engine)[0])}
 
 
 class Reply:

@@ -192,7 +192,7 @@ class Reply:
         choice = {"index": 0, "finish_reason": self.finish_reason(event),
                   "logprobs": self.logprobs(pieces)}
         if self.chat:
-            message = {"role": "assistant", "content": out.content or None}
+            message = {"role": "assistant", "content": None if out.tool_calls and not out.content else out.content}
             if out.reasoning:
                 message["reasoning"] = out.reasoning
             if out.tool_calls:
