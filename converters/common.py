@@ -102,11 +102,25 @@ def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:
     return out
 
 
+ID_TABLES = ("draft_to_target", "token_ordering")  # integer tensors: token id tables
+
+
 def check_shapes(weights: dict, expected: dict[str, tuple[int, ...]], what: str) -> None:
-    """Every expected key present with its exact shape, and nothing else."""
+    """Every expected key present with its exact shape, and nothing else; every weight floating
+    point (an FP8 or integer-quantized tensor read as is would be its raw bytes)."""
+    import mlx.core as mx
+
     missing = [k for k in expected if k not in weights]
     if missing:
         raise ConversionError(f"{what}: missing tensor(s) {missing[:5]}")
+    def floating(w) -> bool:  # MLX arrays as read; NumPy ones where tests build checkpoints
+        return mx.issubdtype(w.dtype, mx.floating) if isinstance(w, mx.array) else w.dtype.kind == "f"
+
+    raw = [f"{k} ({weights[k].dtype})" for k in expected if not k.endswith(ID_TABLES) and not floating(weights[k])]
+    if raw:
+        raise ConversionError(f"{what}: tensor(s) {raw[:5]} are not floating point (an FP8 or quantized "
+                              "checkpoint?); convert the release stored in bfloat16, float16 or float32, "
+                              "or dequantize it first")
     bad = [
         f"{k}: {tuple(weights[k].shape)} (expected {tuple(s)})"
         for k, s in expected.items()
@@ -160,6 +174,8 @@ def write_head(
     if quantize_bits is not None:
         if quantize_bits not in (4, 8):
             raise ConversionError(f"--q-bits must be 4 or 8, got {quantize_bits}")
+        if group_size not in (32, 64, 128):
+            raise ConversionError(f"--q-group-size must be 32, 64 or 128, got {group_size}")
         quantized = {}
         for key, w in weights.items():
             if _quantizable(key, w, group_size):

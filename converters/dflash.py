@@ -276,7 +276,14 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
                               f"{missing} are missing")
 
     n_layers, n_target = cfg.get("num_hidden_layers"), target["num_hidden_layers"]
-    ids = value("target_layer_ids") or default_layer_ids(cfg.get("num_target_layers", n_target), n_layers)
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ConversionError(f"the DFlash config's num_hidden_layers (the head's own layers) is "
+                              f"{n_layers!r}; is this a DFlash head's config.json?")
+    if cfg.get("num_target_layers") not in (None, n_target):
+        raise ConversionError(
+            f"the head was trained on a {cfg['num_target_layers']}-layer target; --target has "
+            f"{n_target} layers. Pass the --target the head was trained for.")
+    ids = value("target_layer_ids") or default_layer_ids(n_target, n_layers)
     block_size, mask_id = value("block_size", 16), value("mask_token_id")
     check_block(block_size, mask_id, target)
     if cfg.get("vocab_size") not in (None, target["vocab_size"]):

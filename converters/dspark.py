@@ -177,6 +177,9 @@ def build(cfg: dict, weights: dict, target: dict, target_weights: dict | None = 
     if speculators:
         cfg = speculators_config(cfg)
     n_layers, n_target, V = cfg.get("num_hidden_layers"), target["num_hidden_layers"], target["vocab_size"]
+    if not isinstance(n_layers, int) or n_layers < 1:
+        raise ConversionError(f"the DSpark config's num_hidden_layers (the head's own layers) is "
+                              f"{n_layers!r}; is this a DSpark head's config.json?")
     ids = cfg.get("target_layer_ids")
     if not ids:
         raise ConversionError("the DSpark config has no target_layer_ids")

@@ -32,6 +32,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # Bump when a conversion's output changes, so that caches built from it (the zoo's) are rebuilt.
 FORMAT_VERSION = 1
 Q_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize's affine mode accepts
+Q_GROUPS = (32, 64, 128)  # the group sizes MLX's quantized matmuls take
 
 
 class GGUFError(ValueError):
@@ -72,6 +73,8 @@ def convert(
         raise GGUFError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     if quantize and q_bits not in Q_BITS:
         raise GGUFError(f"q_bits must be one of {Q_BITS}, not {q_bits}")
+    if quantize and q_group_size not in Q_GROUPS:
+        raise GGUFError(f"q_group_size must be one of {Q_GROUPS}, not {q_group_size}")
     _refuse_existing(out_dir, force)
 
     start = time.perf_counter()

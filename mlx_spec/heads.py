@@ -22,7 +22,7 @@ import inspect
 import json
 from pathlib import Path
 
-from .load_errors import explained
+from .load_errors import ModelFileNotFoundError, explained
 from .drafters.base import check_target
 
 # kind -> "module:function(folder, config, model, **options) -> Drafter"
@@ -73,6 +73,10 @@ def load_drafter(path: str | Path, model, kind: str | None = None, **options):
     DSpark's `confidence_threshold`).
     """
     folder = Path(path).expanduser()
+    if not folder.exists():  # (heads are local folders: nothing is downloaded here)
+        raise ModelFileNotFoundError(folder, "does not exist",
+                                     "give a converted head's folder (`mlx-spec convert head SRC OUT`) or a "
+                                     "checkpoint folder that carries MTP or DSpark weights")
     with explained(folder, "head"):  # damaged or missing files: a ModelLoadError naming them
         config = read_head_config(folder)
         block = config.get("mlx_spec")

@@ -202,7 +202,7 @@ def test_the_centroid_masked_head_of_e2b_e4b(tmp_path):
     d.bind(model, None)
     me = d.net.masked_embedding
     g = mx.array(np.random.default_rng(1).standard_normal(HA).astype(np.float32))
-    logits = np.array(me(g, d.net.embed_tokens.weight))
+    logits = np.array(me(g, d.net.embed_tokens))
     cent = w["masked_embedding.centroids.weight"] @ np.array(g)
     keep = np.argsort(-cent)[:3]
     ids = w["masked_embedding.token_ordering"].reshape(8, -1)[keep].reshape(-1)

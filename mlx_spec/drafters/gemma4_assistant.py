@@ -55,12 +55,13 @@ class MaskedEmbedding(nn.Module):
         self.centroids = nn.Linear(hidden, centroids, bias=False)
         self.token_ordering = mx.zeros((vocab,), dtype=mx.int32)
 
-    def __call__(self, g: mx.array, embed: mx.array) -> mx.array:
-        """g [H] -> logits [V]: the selected tokens' h . E[t], every other token min - 1."""
+    def __call__(self, g: mx.array, embed: nn.Module) -> mx.array:
+        """g [H] -> logits [V]: the selected tokens' h . E[t], every other token min - 1
+        (`embed`: the token embedding, float or quantized: only the selected rows are read)."""
         clusters = mx.argpartition(-self.centroids(g), kth=self.top_k - 1)[: self.top_k]
         ids = self.token_ordering.reshape(-1, self.per)[clusters].reshape(-1)
-        sel = embed[ids] @ g
-        out = mx.full((embed.shape[0],), sel.min() - 1, dtype=sel.dtype)
+        sel = embed(ids) @ g
+        out = mx.full(self.token_ordering.shape, sel.min() - 1, dtype=sel.dtype)
         out[ids] = sel
         return out
 
@@ -91,7 +92,7 @@ class AssistantNet(nn.Module):
             h, _, _ = layer(h, None, None, shared_kv=kv[layer.layer_type], offset=pos)
         g = self.norm(h)[0, 0]
         if "masked_embedding" in self:
-            logits = self.masked_embedding(g, self.embed_tokens.weight)
+            logits = self.masked_embedding(g, self.embed_tokens)
         else:
             logits = (self.lm_head if "lm_head" in self else self.embed_tokens.as_linear)(g)
         return logits, self.post_projection(g)
@@ -167,7 +168,8 @@ class Gemma4AssistantDrafter(SavesState):
         h, tok, pos = self._h, mx.array([y], dtype=mx.uint32), self._n - 1
         tokens, qs = [], []
         for _ in range(min(k, self.max_draft)):
-            x = mx.concatenate([self._embed(tok)[0] * self._scale, h.astype(self._embed.weight.dtype)])
+            e = self._embed(tok)[0] * self._scale  # (a quantized target's embedding gives floats too)
+            x = mx.concatenate([e, h.astype(e.dtype)])
             logits, h = self.net.step(x, self._kv, pos)
             t, q = pick(logits, sampling)
             tokens.append(t)

@@ -44,6 +44,11 @@ def load(folder, config: dict, model, tree_budget: int | None = None, tree_width
         raise FileNotFoundError(f"{folder} has no model.safetensors; convert the head again")
     weights = mx.load(str(path))
     d2t = weights.pop("draft_to_target", None)
+    v_draft, v_target = config.get("draft_vocab_size"), config.get("vocab_size")
+    if d2t is None and v_draft and v_target and v_draft != v_target:
+        raise ValueError(f"{folder}: the head drafts over {v_draft} of the target's {v_target} tokens but has no "
+                         "draft_to_target table, so its token ids cannot be mapped; convert the head again "
+                         "from a checkpoint that has d2t")
     head = HEADS[kind](config)
     quantize_like(head, weights, config)
     try:

@@ -35,7 +35,16 @@ from .head import MTPConfig, MTPHead, make_head
 
 
 def _missing_error(folder: Path, family: str, config: dict, prefix: str) -> ValueError:
+    import json
+
     n = declared_modules(config)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # the shards that hold them may just not be here
+        where = json.loads(index.read_text()).get("weight_map", {})
+        absent = sorted({f for k, f in where.items() if k.startswith(prefix) and not (folder / f).is_file()})
+        if absent:
+            return ValueError(f"{folder}: the MTP module's tensors ('{prefix}*') are in {absent[:3]}, which "
+                              "model.safetensors.index.json lists but the folder lacks; download those shards too")
     return ValueError(
         f"{folder}: config.json declares {n} MTP module(s) for this {family} model, but "
         f"the safetensors hold no '{prefix}*' tensors. MLX conversions usually drop them "
