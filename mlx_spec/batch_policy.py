@@ -366,10 +366,11 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     # In a batch a row's drafting saves it its share of the batch's plain step, not a step alone.
     share = _seconds(model, policies, [0] * len(rows), _costs(model), drafting=False) / len(rows) \
         if len(rows) > 1 else None
-    from .distributed import agree_lengths
+    from .distributed import agree_lengths, agree_sources
 
     choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain, share)
                                     else (k, gain) for row, (k, gain) in zip(rows, choices)])
+    agree_sources(model, [r.drafter for r in rows])
     for row, (k, _) in zip(rows, choices):
         if k < 0:
             row.lengths = _without_backlog(model, row, alone=len(rows) == 1)

@@ -361,6 +361,19 @@ def agree_lengths(model, choices: list[tuple[int, float | None]]) -> list[tuple[
     return [(k, gain) for k, (_, gain) in zip(ks, choices)]
 
 
+def agree_sources(model, drafters: list) -> None:
+    """Rank 0's choice of source this step for each mixed drafter (`MixedDrafter.only`: prompt
+    lookup or the draft model, weighed from each rank's own timings) on every rank, so every
+    rank verifies the same draft (a no-op unsharded)."""
+    shard = shard_of(model)
+    mixed = [d for d in drafters if hasattr(d, "free_member")]  # (the same rows on every rank)
+    if shard is None or not mixed:
+        return
+    names = (None, "free", "paid")
+    for d, code in zip(mixed, broadcast_ints(shard.group, [names.index(d.only) for d in mixed])):
+        d.only = names[code]
+
+
 def agreed_curve(model, local: list[float] | None, measure) -> list[float] | None:
     """The verify cost curve every rank uses: measured by all ranks together when any
     lacks it (each measured forward involves every rank), then rank 0's."""

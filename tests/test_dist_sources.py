@@ -1,0 +1,82 @@
+"""On a sharded target every rank must verify the same draft. A mixed drafter's source for a
+step (prompt lookup or the draft model, `MixedDrafter.only`) is weighed from each rank's own
+measured costs, so it is agreed like the draft length: rank 0's choice on every rank. Two
+ranks are simulated in one process (rank 0's broadcasts are replayed to rank 1), rank 1's
+draft model measured 100x cheaper than rank 0's."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+import mlx_spec
+import tiny
+from lossless import v8_successor_llama
+from mlx_spec import adaptive, batch_policy, distributed, learned
+from mlx_spec.adaptive import CostModel
+from mlx_spec.drafters import DraftModelDrafter, MixedDrafter, NGramDrafter
+
+PROMPT = [0, 1, 2, 3, 4, 5, 6, 7] * 3 + [0, 1, 2, 3]
+DRAFT_COST = 0.3  # rank 0's draft-model forward, against 1.1 for a one-token target forward
+
+
+def run_two_ranks(monkeypatch, steps: int) -> int:
+    """Steps at which the two ranks proposed different drafts (same agreed lengths)."""
+    rank, sent = [0], collections.deque()
+
+    def broadcast_ints(group, values):  # rank 0 steps first; rank 1 takes what it sent, in order
+        if rank[0] == 0:
+            sent.append(list(values))
+            return list(values)
+        return sent.popleft()
+
+    monkeypatch.setattr(distributed, "shard_of", lambda model: type("Shard", (), {"group": None}))
+    monkeypatch.setattr(distributed, "broadcast_ints", broadcast_ints)
+    monkeypatch.setattr(distributed, "agreed_curve", lambda model, local, measure: local or measure())
+    proposed = {}
+    propose = MixedDrafter.propose
+
+    def spy(self, y, k, sampling):
+        draft = propose(self, y, k, sampling)
+        proposed.setdefault(rank[0], []).append((k, draft.tokens.tolist(), draft.q is None))
+        return draft
+
+    monkeypatch.setattr(MixedDrafter, "propose", spy)
+    target, draft = v8_successor_llama(), v8_successor_llama(gain=0.6)
+    decoders = []
+    for r in (0, 1):
+        rank[0] = r
+        d = mlx_spec.BatchDecoder(target, tiny.tokenizer(vocab=8), max_batch=1)
+        d.add(PROMPT, MixedDrafter(NGramDrafter(), DraftModelDrafter(draft)), max_tokens=steps, temp=1.0,
+              seed=7, num_draft_tokens="auto")
+        d.step()  # the prefill
+        decoders.append(d)
+    for d, per_token in zip(decoders, (DRAFT_COST, DRAFT_COST / 100)):
+        policy = d.active[0].lengths
+        policy.costs = CostModel(policy.costs.verify, per_token)
+    for _ in range(steps):
+        if not all(d.busy for d in decoders):
+            break
+        for r in (0, 1):
+            rank[0] = r
+            decoders[r].step()
+    assert sum(q for _, _, q in proposed[0]) >= 3 and sum(not q for _, _, q in proposed[0]) >= 3  # both sources
+    return sum(a != b for a, b in zip(proposed[0], proposed[1]))
+
+
+@pytest.fixture
+def synthetic_costs(monkeypatch):
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=adaptive.N_MAX, recalibrate=False:
+                        [1 + 0.1 * n for n in range(1, n_max + 1)])
+    monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [1 + 0.1 * w for w in batch_policy.WIDE])
+
+
+def test_every_rank_drafts_from_rank_0s_source(monkeypatch, synthetic_costs):
+    assert run_two_ranks(monkeypatch, 60) == 0
+
+
+def test_ranks_left_to_choose_their_own_source_diverge(monkeypatch, synthetic_costs):
+    """The check above can fail: without the agreement the ranks' drafts differ."""
+    monkeypatch.setattr(distributed, "agree_sources", lambda model, drafters: None)
+    assert run_two_ranks(monkeypatch, 60) >= 1
