@@ -15,11 +15,19 @@ and device and cached; `--recalibrate` measures again): the draft's one-token fo
 drafted token and the target's forward over the drafted tokens + 1. Printed: the replayed speed-up over plain decoding (the target's one-token forward a
 token) for every threshold and k, pooled and per suite at the best k. An estimate: the draft
 past a rejection sees the target's text, not its own, and `auto` picks k per step.
+
+Other rules, replayed on the same text (what they would gain before anyone builds them):
+`--products 0.3,0.5` end a chain where the product of its probabilities falls below the value;
+`--fork` also verifies, beside the unsure token that ended a chain, the draft's runner-up
+there (one more verified row, no more draft forwards: a two-branch tree at the stop); and
+the last line, `oracle`, ends every chain exactly at its first token the target rejects,
+the ceiling no rule that reads only the draft's probabilities can pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 
@@ -34,8 +42,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--thresholds", default="0,0.3,0.4,0.5,0.6")
     p.add_argument("--lengths", default="4,6,8,12,16")
+    p.add_argument("--products", default="", help="thresholds on the chain's product of probabilities")
+    p.add_argument("--fork", action="store_true", help="also replay the runner-up beside each unsure token")
     p.add_argument("--recalibrate", action="store_true", help="measure both models' forward costs again")
     args = p.parse_args()
+    thresholds = [float(t) for t in args.thresholds.split(",")]
+    products = [float(t) for t in args.products.split(",") if t]
 
     import mlx.core as mx
     from mlx_lm.generate import generate_step
@@ -48,7 +60,7 @@ def main() -> int:
     target, tok = mlx_spec.load(resolve_model(args.model))
     draft, _ = mlx_spec.load(resolve_model(args.draft_model))
     lengths = [int(k) for k in args.lengths.split(",")]
-    texts = []  # (suite, draft argmax == target token, draft's probability of its argmax)
+    texts = []  # (suite, draft argmax == target token, its probability, runner-up == target token)
     for suite in SUITES:
         for prompt in load_suite(suite)[: args.prompts_per_suite]:
             ids = encode_chat(tok, prompt.text)
@@ -59,8 +71,11 @@ def main() -> int:
                     break
             logits = draft(mx.array(ids + out)[None])[0, len(ids) - 1 : -1].astype(mx.float32)
             sure = mx.exp(mx.max(logits, axis=-1) - mx.logsumexp(logits, axis=-1)).tolist()
-            agree = [a == t for a, t in zip(mx.argmax(logits, axis=-1).tolist(), out)]
-            texts.append((suite, agree, sure))
+            top2 = mx.argpartition(-logits, kth=1, axis=-1)[:, :2]
+            top2 = mx.take_along_axis(top2, mx.argsort(-mx.take_along_axis(logits, top2, axis=-1), axis=-1), axis=-1)
+            agree = [a == t for a, t in zip(top2[:, 0].tolist(), out)]
+            second = [a == t for a, t in zip(top2[:, 1].tolist(), out)]
+            texts.append((suite, agree, sure, second))
     curve = [1000 * t for t in verify_seconds(target, recalibrate=args.recalibrate)]  # ms, n = 1..17
     draft_ms = 1000 * verify_seconds(draft, n_max=1, recalibrate=args.recalibrate)[0]
     print(f"target forward ms by tokens: {', '.join(f'{n + 1}: {t:.1f}' for n, t in enumerate(curve))}; "
@@ -69,30 +84,41 @@ def main() -> int:
     def cost(n):  # the target's forward over n tokens
         return curve[min(n, len(curve)) - 1]
 
-    def replay(runs, k, stop):
+    def replay(runs, k, ends, fork=False):
+        """Replayed speed-up over plain decoding; `ends(probabilities so far, agreed so far)`
+        says whether the chain ends after its last token."""
         tokens = seconds = 0.0
-        for _, agree, sure in runs:
+        for _, agree, sure, second in runs:
             pos = 0
             while pos < len(agree):
-                n = 0  # drafted: up to k, ending after the first unsure token
+                n, unsure = 0, False  # drafted: up to k, or until the rule ends the chain
                 while n < k and pos + n < len(agree):
                     n += 1
-                    if sure[pos + n - 1] < stop:
+                    if ends(sure[pos : pos + n], agree[pos : pos + n]):
+                        unsure = True
                         break
                 kept = 0
                 while kept < n and agree[pos + kept]:
                     kept += 1
+                rows = n + 1 + (fork and unsure)  # the runner-up beside the unsure token
+                if fork and unsure and kept == n - 1 and second[pos + kept]:
+                    kept += 1
                 tokens += kept + 1
-                seconds += n * draft_ms + cost(n + 1)
+                seconds += n * draft_ms + cost(rows)
                 pos += kept + 1
         return curve[0] * tokens / seconds
 
-    print(f"{'min_confidence':>14s} " + " ".join(f"{'k=' + str(k):>7s}" for k in lengths) + "  best k: per suite")
-    for stop in (float(t) for t in args.thresholds.split(",")):
-        rates = [replay(texts, k, stop) for k in lengths]
+    rules = [(f"token < {t:g}", lambda s, a, t=t: s[-1] < t, False) for t in thresholds]
+    if args.fork:
+        rules += [(f"token < {t:g} +fork", lambda s, a, t=t: s[-1] < t, True) for t in thresholds]
+    rules += [(f"product < {t:g}", lambda s, a, t=t: math.prod(s) < t, False) for t in products]
+    rules.append(("oracle", lambda s, a: not a[-1], False))
+    print(f"{'chain ends':>20s} " + " ".join(f"{'k=' + str(k):>7s}" for k in lengths) + "  best k: per suite")
+    for name, ends, fork in rules:
+        rates = [replay(texts, k, ends, fork) for k in lengths]
         best = lengths[max(range(len(lengths)), key=rates.__getitem__)]
-        per = {s: replay([t for t in texts if t[0] == s], best, stop) for s in SUITES}
-        print(f"{stop:14g} " + " ".join(f"{r:6.2f}x" for r in rates)
+        per = {s: replay([t for t in texts if t[0] == s], best, ends, fork) for s in SUITES}
+        print(f"{name:>20s} " + " ".join(f"{r:6.2f}x" for r in rates)
               + f"  k={best}: " + ", ".join(f"{s} {r:.2f}x" for s, r in per.items()))
     return 0
 
