@@ -113,6 +113,10 @@ def main() -> int:
         rules += [(f"token < {t:g} +fork", lambda s, a, t=t: s[-1] < t, True) for t in thresholds]
     rules += [(f"product < {t:g}", lambda s, a, t=t: math.prod(s) < t, False) for t in products]
     rules.append(("oracle", lambda s, a: not a[-1], False))
+    pairs = [(c, a) for _, agree, sure, _ in texts for c, a in zip(sure, agree)]
+    print("tokens the target kept, by the draft's probability: " + ", ".join(
+        f"{b / 10:.1f}-{(b + 1) / 10:.1f} {sum(a for c, a in sel) / len(sel):.0%} of {len(sel)}"
+        for b in range(10) if (sel := [(c, a) for c, a in pairs if min(int(c * 10), 9) == b])))
     print(f"{'chain ends':>20s} " + " ".join(f"{'k=' + str(k):>7s}" for k in lengths) + "  best k: per suite")
     for name, ends, fork in rules:
         rates = [replay(texts, k, ends, fork) for k in lengths]
