@@ -74,7 +74,8 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
         "mlx_spec": {"format": HEAD_FORMAT_VERSION, "drafter": "gemma4_assistant",
                      "taps": ["final_norm"], "target": target_identity(target)},
         **{k: cfg[k] for k in FIELDS if k in cfg},
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        # (the published configs keep it in text_config, the drafter's own model config)
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))),
         "text_config": {**text, "vocab_size": target["vocab_size"]},
         "source": {"layout": cfg.get("model_type"), "architectures": cfg.get("architectures")},
     }

@@ -144,3 +144,23 @@ def test_gemma4_assistants_draft_with_a_quantized_embedding(tmp_path):
     np.testing.assert_allclose(qs[0], qs[1], atol=2e-3)
     got, _ = spec_run(quantized, d, G.PROMPT, 12, 3)
     assert got == greedy(quantized, G.PROMPT, 12)
+
+
+def test_a_gemma4_assistant_untied_in_its_text_config_keeps_its_lm_head(tmp_path):
+    """The published assistants say tie_word_embeddings in text_config; an untied one's own
+    lm_head must not be dropped for the embedding."""
+    model, tcfg = G.target()
+    cfg, w = G.assistant(np.random.default_rng(0))
+    del cfg["tie_word_embeddings"]
+    cfg["text_config"]["tie_word_embeddings"] = False
+    w["lm_head.weight"] = np.random.default_rng(1).standard_normal(w["model.embed_tokens.weight"].shape).astype(np.float32)
+    src, tdir = tmp_path / "src", tmp_path / "target"
+    for folder, c in ((src, cfg), (tdir, tcfg)):
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(c))
+    mx.save_safetensors(str(src / "model.safetensors"), {k: mx.array(v) for k, v in w.items()})
+    out = gemma4.convert(src, tmp_path / "head", tdir)
+    np.testing.assert_array_equal(np.array(mx.load(str(out / "model.safetensors"))["lm_head.weight"]), w["lm_head.weight"])
+    d = mlx_spec.load_drafter(out, model)
+    got, _ = spec_run(model, d, G.PROMPT, 12, 3)
+    assert got == greedy(model, G.PROMPT, 12)
