@@ -63,7 +63,12 @@ def read_tensors(folder: Path) -> dict:
     if files:
         weights = {}
         for f in files:
-            weights.update(mx.load(str(f)))
+            shard = mx.load(str(f))
+            twice = sorted(set(shard) & set(weights))
+            if twice:
+                raise ConversionError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
+                                      f"({f.name} and another); remove the stray copy")
+            weights.update(shard)
         return weights
     # Only the model's own .bin files: training_args.bin and optimizer states are not weights.
     bins = _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
@@ -81,7 +86,10 @@ def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
     """The shards a sharded checkpoint's index lists, else every file matching `pattern`."""
     index = folder / index_name
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        where = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(where, dict) or not where:
+            raise ConversionError(f"{index}: no 'weight_map' naming the shards; download the checkpoint again")
+        shards = sorted(set(where.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
             raise ConversionError(f"{folder}: shard(s) {missing[:3]} listed in {index_name} are missing")

@@ -86,7 +86,10 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     if config["tie_word_embeddings"]:
         out.pop("lm_head.weight", None)  # tied to embed_tokens
     if "masked_embedding.token_ordering" in out:
-        out["masked_embedding.token_ordering"] = out["masked_embedding.token_ordering"].astype(mx.int32)
+        order = out["masked_embedding.token_ordering"]
+        if order.size and (order.min().item() < 0 or order.max().item() >= target["vocab_size"]):
+            raise ConversionError(f"masked_embedding.token_ordering holds token ids outside 0..{target['vocab_size'] - 1}")
+        out["masked_embedding.token_ordering"] = order.astype(mx.int32)
     want = dict(tree_flatten(AssistantNet(config).parameters()))
     for key in [k for k in want if k.endswith(".layer_scalar") and k not in out]:
         out[key] = mx.ones((1,))

@@ -164,3 +164,17 @@ def test_a_gemma4_assistant_untied_in_its_text_config_keeps_its_lm_head(tmp_path
     d = mlx_spec.load_drafter(out, model)
     got, _ = spec_run(model, d, G.PROMPT, 12, 3)
     assert got == greedy(model, G.PROMPT, 12)
+
+
+def test_damaged_shard_layouts_are_named(tmp_path):
+    from converters.common import read_tensors
+
+    a = tmp_path / "a"
+    a.mkdir()
+    mx.save_safetensors(str(a / "model-1.safetensors"), {"x": mx.zeros(2)})
+    mx.save_safetensors(str(a / "model-2.safetensors"), {"x": mx.ones(2)})
+    with pytest.raises(ConversionError, match=r"\['x'\] are in more than one weight file"):
+        read_tensors(a)
+    (a / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ConversionError, match="no 'weight_map'"):
+        read_tensors(a)
