@@ -305,6 +305,8 @@ def test_other_bad_requests_get_their_status_in_each_apis_shape(ngram_server):
     assert status == 405 and json.loads(raw)["error"]["type"] == "invalid_request_error"
     status, _, raw = request(port, "POST", "/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(raw)["error"]["message"]
+    status, _, raw = request(port, "POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000)
+    assert status == 400 and "too deeply" in json.loads(raw)["error"]["message"]
     status, error = post(port, "/v1/messages", {"messages": MESSAGES})  # no max_tokens
     assert status == 400 and error == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "'max_tokens' is required (an integer >= 1)"}}

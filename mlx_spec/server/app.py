@@ -118,6 +118,8 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
             return Body(json.loads(data))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise invalid(f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise invalid("the request body nests JSON too deeply") from None
 
     def generation(parse, reply_type):
         async def handler(request: Request):
