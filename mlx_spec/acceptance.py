@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .sampling import Sampling
+from .sampling import Sampling, greedy_tokens
 
 
 def greedy_accept(
     logits: mx.array, draft: mx.array, length: mx.array | None = None
 ) -> tuple[mx.array, mx.array]:
     """logits [k+1, V], draft [k] -> (n, next token), both scalars."""
-    target = mx.argmax(logits, axis=-1)  # [k+1]
+    target = greedy_tokens(logits)  # [k+1]
     k = draft.shape[0]
     n = mx.cumprod(target[:k] == draft).sum() if k else mx.array(0)
     if length is not None:

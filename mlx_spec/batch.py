@@ -37,7 +37,7 @@ from . import batch_cache, batch_plain, tree, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
 from .distributed import shard_of
-from .cache import is_recurrent, prepare_cache
+from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
 from .identity import Claims
@@ -275,6 +275,8 @@ class BatchDecoder:
         for row, (k, _) in zip(rows, choices):
             if row.req.max_tokens is not None:
                 k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
+            if row.req.kv_bits is not None and self.batch is None:
+                k = min(k, _unquantized_room(row))
             ks.append(k)
         cache = self.batch if self.batch is not None else rows[0].cache
         for row, k in zip(rows, ks):  # auto's tree shape, before drafting when the drafter can take it
@@ -370,6 +372,16 @@ def _plain_next(model, rows: list[Row]) -> bool:
     if len(rows) > 1:
         return plain_next(model, [r.lengths for r in rows])
     return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked_next() for r in rows)
+
+
+def _unquantized_room(row: Row) -> int:
+    """Drafts a `kv_bits` row's block may hold before its cache reaches `quantized_kv_start`:
+    mlx-lm quantizes the cache after every step once it holds that many tokens, so the tokens
+    past that point must see it quantized, and a block verified over the plain cache may not
+    cross it (no limit once quantized)."""
+    at = next((c.offset for c in row.cache if hasattr(c, "to_quantized")), None)
+    start = row.req.quantized_kv_start
+    return MAX_DRAFT if at is None or at >= start else max(0, start - at - 1)
 
 
 def _trimmed(model, rows: list[Row], drafts: list) -> list:

@@ -23,6 +23,7 @@ import mlx.core as mx
 from .batch_cache import BatchCheckpoint, checkpoint, settled
 from .cache import Checkpoint
 from .overlap import overlapped
+from .sampling import greedy_tokens
 from .verify import Verdict, log_softmax
 
 
@@ -60,7 +61,7 @@ def launch(model, cache: list, rows: list, inputs: mx.array, later: int) -> Flig
     else:
         logits = model(inputs.reshape(-1, 1), cache=cache)[:, -1]
     if all(r.req.sampling.greedy for r in rows):
-        tokens = mx.argmax(logits, axis=-1)  # uint32
+        tokens = greedy_tokens(logits)  # uint32
     else:
         draws = []
         for i, row in enumerate(rows):

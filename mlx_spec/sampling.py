@@ -61,5 +61,13 @@ class Sampling:
     def sample(self, logits: mx.array) -> mx.array:
         """One token per row of `logits`, drawn as mlx-lm would (argmax when greedy)."""
         if self.greedy:
-            return mx.argmax(logits, axis=-1)
+            return greedy_tokens(logits)
         return mx.random.categorical(mx.log(self.probs(logits)))
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """The target's greedy token per row, picked as mlx-lm's `generate_step` does: the argmax of
+    the log-probabilities in the logits' own dtype (logits - logsumexp). In bfloat16 that
+    rounding can tie tokens the raw logits tell apart, and the argmax then takes the lower id,
+    so an argmax of the raw logits would not be mlx-lm's text."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1)

@@ -34,6 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .sampling import greedy_tokens
+
 
 def depths(parents: Sequence[int]) -> list[int]:
     """Depth of each node (children of the root: 1)."""
@@ -247,7 +249,7 @@ def draws(logits: mx.array, tokens: mx.array, parents: Sequence[int], sampling) 
     Sampling: each node's probability under its parent's row and a uniform; per row a draw
     from the row, and a draw from the row with its children's tokens removed."""
     if sampling.greedy:
-        return [mx.argmax(logits, axis=-1).astype(mx.uint32)]
+        return [greedy_tokens(logits).astype(mx.uint32)]
     p = sampling.probs(logits)  # [N+1, V]
     rows = mx.array([q + 1 for q in parents], mx.int32)
     p_node = p[rows, tokens]

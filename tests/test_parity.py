@@ -151,3 +151,27 @@ def test_the_prompt_cache_holds_every_token_the_caller_saw_like_mlx_lms():
         if token == eos:
             break
     assert got[-1] == eos and ours[0].offset == theirs[0].offset == len(PROMPT) + len(got)
+
+
+@pytest.mark.parametrize("start", [13, 21])
+def test_blocks_never_cross_quantized_kv_start_unquantized(start):
+    """mlx-lm quantizes the cache after each step once it holds quantized_kv_start tokens, so
+    the tokens past it see quantized keys; a verified block stops short of that point."""
+    model = tiny.llama_model(hidden=128, heads=4, kv_heads=2)
+    kw = dict(max_tokens=40, kv_bits=2, kv_group_size=32, quantized_kv_start=start)
+    want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, **kw)]
+    out = run(model, drafter=DraftModelDrafter(model, min_confidence=None), num_draft_tokens=8, **kw)
+    assert [r.token for r in out] == want and out[-1].stats.accepted > 10
+
+
+def test_bfloat16_greedy_picks_mlx_lms_token_where_rounding_ties_two():
+    """mlx-lm's greedy token is the argmax of bfloat16 log-probabilities, whose rounding can tie
+    tokens the raw logits tell apart (it then takes the lower id); a wide, flat vocabulary
+    makes such ties common."""
+    for seed in range(2):
+        model = tiny.llama_model(seed=seed, vocab=32000, sharpen=1.0)
+        model.set_dtype(mx.bfloat16)
+        want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=40)]
+        tok = tiny.tokenizer(vocab=32000)
+        assert [r.token for r in run(model, tok=tok, max_tokens=40)] == want
+        assert [r.token for r in run(model, drafter=NGramDrafter(), tok=tok, max_tokens=40)] == want
