@@ -9,6 +9,7 @@ the same code.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -52,6 +53,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
 def _generate(decoder: BatchDecoder, uid: int):
     """Each step's block is yielded token by token."""
     seen = None
+    for row in decoder.active + decoder.waiting:  # the clock starts with the caller's first read,
+        row.tic = time.perf_counter()  # as mlx-lm's generator's does, not when it was made
     try:
         with wired_limit(decoder.model, [generation_stream]):
             while decoder.busy:

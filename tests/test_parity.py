@@ -1,5 +1,7 @@
 """mlx-lm users' habits work, or fail with a message that says what to do instead."""
 
+import time
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -175,3 +177,22 @@ def test_bfloat16_greedy_picks_mlx_lms_token_where_rounding_ties_two():
         tok = tiny.tokenizer(vocab=32000)
         assert [r.token for r in run(model, tok=tok, max_tokens=40)] == want
         assert [r.token for r in run(model, drafter=NGramDrafter(), tok=tok, max_tokens=40)] == want
+
+
+def test_stats_count_the_drafts_the_caller_got_when_eos_cuts_a_block():
+    model = tiny.llama_model()
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]
+    eos = reference(model, prompt, 40)[6]  # inside a block the self-draft gets right whole
+    out = run(model, prompt=prompt, drafter=DraftModelDrafter(model, min_confidence=None), tok=tiny.tokenizer(eos=eos),
+              max_tokens=40, num_draft_tokens=8)
+    s = out[-1].stats
+    assert out[-1].finish_reason == "stop" and s.drafted > s.accepted
+    assert s.accepted == sum(r.from_draft for r in out) == sum(s.accepted_at_position)
+
+
+def test_the_prompt_clock_starts_at_the_first_read_as_mlx_lms():
+    gen = mlx_spec.stream_generate(tiny.llama_model(), tiny.tokenizer(), PROMPT, None, max_tokens=2)
+    time.sleep(0.5)  # a caller that builds the generator and reads it later
+    first = next(gen)
+    assert first.prompt_tps > 100  # 8 prompt tokens: under 16 tokens/s if the pause counted
+    gen.close()
