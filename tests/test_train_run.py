@@ -148,3 +148,27 @@ def test_feature_cache_runs_the_target_once_per_sequence_and_changes_nothing(tar
     b = mx.load(str(tmp_path / "fresh" / "model.safetensors"))
     for k in a:
         np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+
+
+@pytest.mark.parametrize("layout", ["midlayer", "speculators"])
+def test_exports_keep_the_heads_forward_options(target, tmp_path, layout):
+    """A realigned published head keeps its options (`norm_before_residual`, `norm_output`,
+    q/k/v biases); its export converts back to the same forward."""
+    from mlx_spec.drafters.eagle import Eagle3Head
+    from mlx_spec.train.export import head_config, write_head
+
+    folder, model, _ = target
+    cfg = {**head_config(model, [1, 2, 4], 32), "norm_before_residual": True, "norm_output": True,
+           "attention_bias": True}
+    mx.random.seed(1)
+    write_head(tmp_path / "head", Eagle3Head(cfg), cfg, mx.arange(32, dtype=mx.int32) * 2)
+    exported, back = tmp_path / "export", tmp_path / "back"
+    assert cli_main(["train", "export", str(tmp_path / "head"), str(exported), "--layout", layout,
+                     "--model", str(folder)]) == 0
+    assert cli_main(["convert", "head", str(exported), str(back), "--target", str(folder)]) == 0
+    got = json.loads((back / "config.json").read_text())
+    assert {k: got[k] for k in ("norm_before_residual", "norm_output", "attention_bias")} == dict.fromkeys(
+        ("norm_before_residual", "norm_output", "attention_bias"), True)
+    a, b = mx.load(str(tmp_path / "head" / "model.safetensors")), mx.load(str(back / "model.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)

@@ -97,7 +97,14 @@ def _llama_config(cfg: dict) -> dict:
     out = {k: cfg[k] for k in keys if cfg.get(k) is not None}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
             "num_hidden_layers": cfg["num_layers"], "tie_word_embeddings": False,
-            "attention_bias": False, "torch_dtype": "float32", **out}
+            "attention_bias": bool(cfg.get("attention_bias", False)), "torch_dtype": "float32", **out}
+
+
+def _options(cfg: dict) -> dict:
+    """The head's forward options as both layouts' configs say them (what `convert head` reads
+    back): a realigned published head keeps the options it was trained with."""
+    return {"bias": bool(cfg.get("fc_bias", False)),
+            **{k: bool(cfg.get(k, False)) for k in ("norm_before_fc", "fc_norm", "norm_before_residual", "norm_output")}}
 
 
 def export(src, out, layout: str, model=None, force: bool = False) -> Path:
@@ -124,7 +131,7 @@ def export(src, out, layout: str, model=None, force: bool = False) -> Path:
         if cfg["num_layers"] != 1:
             raise ValueError("the midlayer layout holds one layer; export a multi-layer head as speculators")
         w = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in w.items()}
-        config = {**llama, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": V_d,
+        config = {**llama, **_options(cfg), "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": V_d,
                   "target_hidden_size": cfg["target_hidden_size"],
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux, "use_aux_hidden_state": True}}
     else:
@@ -137,8 +144,8 @@ def export(src, out, layout: str, model=None, force: bool = False) -> Path:
             raise ValueError("the target's embedding is quantized; export speculators from a float target")
         w["embed_tokens.weight"] = emb.weight
         config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-                  "transformer_layer_config": llama, "draft_vocab_size": V_d,
-                  "norm_before_residual": False, "target_hidden_size": cfg["target_hidden_size"],
+                  "transformer_layer_config": llama, "draft_vocab_size": V_d, **_options(cfg),
+                  "target_hidden_size": cfg["target_hidden_size"],
                   "eagle_aux_hidden_state_layer_ids": aux,
                   "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                          "verifier": {"architectures": [], "name_or_path": None}}}
