@@ -111,3 +111,76 @@ def test_a_topic_system_turn_comes_before_the_user_header(target):
     _, tok = target
     plain, steered = user_header(tok), user_header(tok, "w7 w8")
     assert steered != plain and tok.decode(steered).split() == ["w2", "w7", "w8", "w3", "w2"]
+
+
+QUICK = dict(draft_vocab=32, tap_layers=[1, 2, 4], steps=1, eval_prompts=1, eval_tokens=2, max_length=24,
+             log=lambda m: None)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(steps=0), "--steps must be a whole number >= 1"), (dict(eval_k=0), "--eval-k must be a draft length"),
+    (dict(eval_k=17), "--eval-k must be a draft length"), (dict(ttt_steps=0), "--ttt-steps must be"),
+    (dict(checkpoint_every=0), "--checkpoint-every must be"), (dict(log_every=0), "--log-every must be"),
+    (dict(eval_prompts=0), "--eval-prompts must be"), (dict(lr=-1.0), "--lr must be more than 0"),
+    (dict(epochs=0, steps=None), "--epochs must be more than 0"),
+    (dict(tap_layers=[2, 2, 4]), r"--tap-layers \[2, 2, 4\]: each layer at most once"),
+])
+def test_settings_that_cannot_run_fail_before_any_work(tmp_path, target, bad, match):
+    model, tok = target
+    out = tmp_path / "out"
+    _fail(lambda: train_eagle3(model, tok, out, prompts=PROMPTS, **{**QUICK, **bad}), match, out)
+    assert not out.exists()
+
+
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, target):
+    model, tok = target
+    (tmp_path / "out").write_text("")
+    _fail(lambda: train_eagle3(model, tok, tmp_path / "out", prompts=PROMPTS, **QUICK), "is a file; give a folder",
+          tmp_path / "none")
+
+
+def test_samples_draw_from_a_prompts_file_and_skipped_lines_are_told(tmp_path, target, caplog):
+    model, tok = target
+    rows = [json.dumps({"prompt": f"w{5 + i % 80} w{7 + i % 80}"}) for i in range(40)] + ["not json"]
+    (tmp_path / "p.jsonl").write_text("\n".join(rows) + "\n")
+    train_eagle3(model, tok, tmp_path / "out", prompts=str(tmp_path / "p.jsonl"), samples=5, **QUICK)
+    assert len((tmp_path / "out" / "data.jsonl").read_text().splitlines()) == 5  # not all 39 left
+    assert "1 of 41 rows skipped" in caplog.text
+
+
+def test_runs_resume_only_as_their_own_kind_and_data_only_for_its_target(tmp_path, target):
+    model, tok = target
+    head = tmp_path / "head"
+    cfg = head_config(model, [1, 2, 4], 32)
+    write_head(head, Eagle3Head(cfg), cfg, mx.arange(32, dtype=mx.int32))
+    out = tmp_path / "realigned"
+    realign(model, tok, head, out, prompts=PROMPTS, **{k: v for k, v in QUICK.items() if k not in ("draft_vocab", "tap_layers")})
+    with pytest.raises(ValueError, match="holds a train realign run; resume it with `mlx-spec train realign"):
+        train_eagle3(model, tok, out, resume=True)
+    other = tiny.llama_model(layers=8)
+    with pytest.raises(ValueError, match=r"--data-from .* another target"):
+        train_eagle3(other, tok, tmp_path / "new", data_from=out, **{**QUICK, "tap_layers": [1, 2, 4]})
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_realign_stopped_in_its_first_evaluation_resumes(tmp_path, target, monkeypatch):
+    """The data and step 0 are kept before the published head's evaluation, which a resumed
+    run makes again."""
+    from mlx_spec.train import run as run_mod
+
+    model, tok = target
+    head = tmp_path / "head"
+    cfg = head_config(model, [1, 2, 4], 32)
+    write_head(head, Eagle3Head(cfg), cfg, mx.arange(32, dtype=mx.int32))
+    evaluate = run_mod.evaluate
+
+    def stopped(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "evaluate", stopped)
+    quick = {k: v for k, v in QUICK.items() if k not in ("draft_vocab", "tap_layers")}
+    with pytest.raises(KeyboardInterrupt):
+        realign(model, tok, head, tmp_path / "out", prompts=PROMPTS, **quick)
+    monkeypatch.setattr(run_mod, "evaluate", evaluate)
+    report = realign(model, tok, None, tmp_path / "out", resume=True, log=lambda m: None)
+    assert set(report) == {"before", "after"} and report["before"]["identical_to_plain"]

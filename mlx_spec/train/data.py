@@ -22,6 +22,7 @@ order), sorted; `d2t` maps draft id i to target id `d2t[i]`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -54,6 +55,9 @@ def read_prompts(path) -> list[list[dict]]:
             bad += 1
         else:
             out.append(msgs)
+    if out and bad:
+        logging.getLogger("mlx_spec").warning("--prompts %s: %d of %d rows skipped (not JSON, or without a "
+                                              "non-empty 'messages' list or 'prompt' string)", path, bad, bad + len(out))
     if not out:
         raise DataError(
             f"--prompts {path}: no usable rows ({bad} unreadable or without a non-empty 'messages' "

@@ -47,10 +47,36 @@ def check_taps(model, taps) -> list:
     bad = [t for t in taps if t != EMBED and not (isinstance(t, int) and 0 <= t < n)]
     if bad:
         raise ValueError(f"--tap-layers {bad}: the target has decoder layers 0..{n - 1} (or 'embed')")
+    if len(set(taps)) < len(taps):
+        raise ValueError(f"--tap-layers {taps}: each layer at most once (EAGLE-3 fuses distinct layers)")
     return taps
 
 
+def check_numbers(*, samples, eval_prompts, max_length, epochs, steps, lr, ttt_steps, checkpoint_every,
+                  log_every, eval_k, eval_tokens) -> None:
+    """The numeric settings, refused before any work when they cannot run."""
+    from ..cache import MAX_DRAFT
+
+    at_least_1 = {"--samples": samples, "--eval-prompts": eval_prompts, "--ttt-steps": ttt_steps,
+                  "--checkpoint-every": checkpoint_every, "--log-every": log_every, "--eval-tokens": eval_tokens}
+    for flag, value in at_least_1.items():
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
+    if not (isinstance(max_length, int) and max_length >= 16):
+        raise ValueError(f"--max-length must be at least 16 tokens, got {max_length!r}")
+    if steps is not None and not (isinstance(steps, int) and steps >= 1):
+        raise ValueError(f"--steps must be a whole number >= 1 (or left out: --epochs decides), got {steps!r}")
+    if not epochs > 0:
+        raise ValueError(f"--epochs must be more than 0, got {epochs!r}")
+    if not lr > 0:
+        raise ValueError(f"--lr must be more than 0, got {lr!r}")
+    if not (isinstance(eval_k, int) and 1 <= eval_k <= MAX_DRAFT):
+        raise ValueError(f"--eval-k must be a draft length 1..{MAX_DRAFT}, got {eval_k!r}")
+
+
 def check_out(out: Path, resume: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder (new, or a run's to --resume)")
     if resume:
         if not (out / "train.json").is_file() or not (out / "state.json").is_file():
             raise ValueError(f"--resume: {out} holds no checkpoint of a training run (train.json, "
@@ -61,19 +87,24 @@ def check_out(out: Path, resume: bool) -> None:
                          "or choose a new --out")
 
 
-def _messages_for(model, tokenizer, prompts_file, n: int, seed: int, log, topics) -> list:
-    if prompts_file is not None:
-        rows = D.read_prompts(prompts_file)
-        rng = np.random.default_rng(seed)
-        return [rows[i] for i in rng.permutation(len(rows))][:n]
+def read_prompts(path, seed: int) -> list:
+    """The prompts file's rows in a seeded order (`--samples` takes the first ones)."""
+    rows = D.read_prompts(path)
+    return [rows[i] for i in np.random.default_rng(seed).permutation(len(rows))]
+
+
+def _messages_for(model, tokenizer, prompts, n: int, seed: int, log, topics) -> list:
+    """`n` prompts: the first of a list of chat message lists, a seeded draw from a JSONL file, or
+    written by the target itself (None)."""
+    if prompts is not None:
+        return list(read_prompts(prompts, seed) if isinstance(prompts, (str, Path)) else prompts)[:n]
     return D.magpie_prompts(model, tokenizer, n, seed, log=log, topics=topics)
 
 
 def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, max_length: int, seed: int,
               log, topics=TOPICS) -> tuple[list, list]:
     """Generate (training rows, held-out eval prompts) into `out`."""
-    msgs = prompts if isinstance(prompts, list) else _messages_for(model, tokenizer, prompts, samples + eval_n,
-                                                                  seed, log, topics)
+    msgs = _messages_for(model, tokenizer, prompts, samples + eval_n, seed, log, topics)
     if len(msgs) < 2:
         raise D.DataError(f"{len(msgs)} usable prompt(s); training needs at least 2 (one is held out)")
     eval_n = min(eval_n, max(1, len(msgs) // 5))
@@ -113,7 +144,7 @@ def init_from_target(head, model, ids) -> list:
 
 
 def _steps(steps, epochs, n: int) -> int:
-    return int(steps) if steps else max(1, int(round(epochs * n)))
+    return int(steps) if steps is not None else max(1, int(round(epochs * n)))
 
 
 def _finish(trainer: Trainer, model, tokenizer, out: Path, held, eval_k, eval_tokens, on_step, log,
@@ -147,8 +178,14 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
 
     out = Path(out)
     check_out(out, resume)
+    check_numbers(samples=samples, eval_prompts=eval_prompts, max_length=max_length, epochs=epochs, steps=steps,
+                  lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
+                  eval_k=eval_k, eval_tokens=eval_tokens)
     if resume:
         run = json.loads((out / "train.json").read_text())
+        if run.get("kind") != "eagle3":
+            raise ValueError(f"{out} holds a train {run.get('kind')} run; resume it with `mlx-spec train "
+                             f"{run.get('kind')} --resume`")
         cfg = json.loads((out / "config.json").read_text())
         check_target(model, f"{out} (the run to resume)", "Resume with the target the run was started with.",
                      made_for=cfg["mlx_spec"]["target"])
@@ -173,13 +210,17 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     if data_from is not None and not (Path(data_from) / "data.jsonl").is_file():
         raise ValueError(f"--data-from {data_from}: no data.jsonl there (the folder of an earlier train run)")
     if data_from is not None:  # another run's generated set, reused as it is
+        made = Path(data_from) / "config.json"  # (the head that run made says for which target)
+        if made.is_file():
+            check_target(model, f"--data-from {data_from}", "Reuse data the same target wrote.",
+                         made_for=json.loads(made.read_text())["mlx_spec"]["target"])
         rows, held = _load_data(Path(data_from))
         out.mkdir(parents=True, exist_ok=True)
         D.write_jsonl(out / "data.jsonl", rows)
         D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
     else:
         if isinstance(prompts, (str, Path)):
-            prompts = D.read_prompts(prompts)  # a bad file fails here, before any model work
+            prompts = read_prompts(prompts, seed)  # a bad file fails here, before any model work
         rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log,
                                topics)
     ids = D.draft_vocab(rows, draft_vocab, V)
@@ -214,6 +255,9 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
 
     out = Path(out)
     check_out(out, resume)
+    check_numbers(samples=samples, eval_prompts=eval_prompts, max_length=max_length, epochs=epochs, steps=steps,
+                  lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
+                  eval_k=eval_k, eval_tokens=eval_tokens)
     if resume:
         run = json.loads((out / "train.json").read_text())
         if run.get("kind") != "realign":
@@ -236,19 +280,22 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
         settings = Settings(**run["settings"])
         trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
         trainer.restore()
-        return _finish(trainer, model, tokenizer, out, held, run["eval_k"], run["eval_tokens"], on_step, log,
-                       before=run["before"])
-    if isinstance(prompts, (str, Path)):
-        prompts = D.read_prompts(prompts)
-    rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log, topics)
-    before = evaluate(model, tokenizer, drafter, held, eval_k, eval_tokens, log=log)
-    log("before: " + summary(before))
-    settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
-                        checkpoint_every=checkpoint_every, log_every=log_every,
-                        feature_cache_gb=feature_cache_gb, taps=list(drafter.taps))
-    save_json(out / "train.json", {"kind": "realign", "drafter": str(drafter_dir), "before": before,
-                                   "settings": settings_dict(settings), "eval_k": eval_k,
-                                   "eval_tokens": eval_tokens, "samples": len(rows)})
-    trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
-    trainer.save()
-    return _finish(trainer, model, tokenizer, out, held, eval_k, eval_tokens, on_step, log, before=before)
+        eval_k, eval_tokens = run["eval_k"], run["eval_tokens"]
+    else:
+        if isinstance(prompts, (str, Path)):
+            prompts = read_prompts(prompts, seed)
+        rows, held = make_data(model, tokenizer, out, prompts, samples, eval_prompts, max_length, seed, log, topics)
+        settings = Settings(steps=_steps(steps, epochs, len(rows)), lr=lr, ttt_steps=ttt_steps, seed=seed,
+                            checkpoint_every=checkpoint_every, log_every=log_every,
+                            feature_cache_gb=feature_cache_gb, taps=list(drafter.taps))
+        run = {"kind": "realign", "drafter": str(Path(drafter_dir).resolve()), "settings": settings_dict(settings),
+               "eval_k": eval_k, "eval_tokens": eval_tokens, "samples": len(rows)}
+        save_json(out / "train.json", run)
+        trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
+        trainer.save()  # resumable from here: the data and step 0, before the evaluation below
+    if "before" not in run:  # the published head on the held-out prompts (again, when stopped in it)
+        published = load_drafter(drafter_dir, model) if resume else drafter  # (restore() changed `drafter`)
+        run["before"] = evaluate(model, tokenizer, published, held, eval_k, eval_tokens, log=log)
+        log("before: " + summary(run["before"]))
+        save_json(out / "train.json", run)
+    return _finish(trainer, model, tokenizer, out, held, eval_k, eval_tokens, on_step, log, before=run["before"])

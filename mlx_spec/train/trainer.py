@@ -112,7 +112,7 @@ class Trainer:
         if wm.get("step") != str(step) or om.get("step") != str(step):
             raise ValueError(f"{self.out}: the checkpoint files belong to different steps "
                              f"(state {step}, head {wm.get('step')}, optimizer {om.get('step')}); "
-                             "it was interrupted while saving: start again without --resume")
+                             "it was interrupted while saving: start again in a new --out folder (or empty this one)")
         w.pop("draft_to_target", None)
         self.head.load_weights(list(w.items()), strict=True)
         self.opt.state = tree_unflatten(list(o.items()))
