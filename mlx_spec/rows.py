@@ -9,6 +9,7 @@ holding the prompt and every token the caller saw, as mlx-lm's does.
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import prompt_cache
-from .cache import Checkpoint, _layers, _snapshot_attrs
+from .cache import CacheRollbackError, Checkpoint, _layers, _snapshot_attrs, make_cache
 from .drafters.base import EMPTY, Draft
 from .request import Request
 from .stats import SpecStats
@@ -208,7 +209,15 @@ class Row:
         last block unless `seen` says how many of it); the caller's prompt cache gets it."""
         try:
             if not self.out:  # failed before the first token: the cache as before the call
-                self.start.keep([])
+                try:
+                    self.start.keep([])
+                except CacheRollbackError:  # a window that evicted what it held cannot go back:
+                    self.cache[:] = make_cache(self.model)  # emptied, never left half-filled
+                    if self.user_cache is not None:
+                        self.user_cache[:] = self.cache
+                        logging.getLogger("mlx_spec").warning(
+                            "the request failed while its prompt was read, past what its sliding-window cache "
+                            "can roll back: the prompt cache was emptied")
             elif self.user_cache is not None:
                 if seen is not None:
                     del self.out[len(self.out) - self.block + seen :]

@@ -196,3 +196,24 @@ def test_the_prompt_clock_starts_at_the_first_read_as_mlx_lms():
     first = next(gen)
     assert first.prompt_tps > 100  # 8 prompt tokens: under 16 tokens/s if the pause counted
     gen.close()
+
+
+def test_a_failed_long_prompt_read_on_a_window_cache_raises_the_callers_error_and_empties_the_cache():
+    """Past its window a sliding-window cache cannot go back to what it held before the call:
+    the caller gets its own exception (not a rollback error) and an empty cache, never a
+    half-read prompt."""
+    model = tiny.gemma3_model(window=8)
+    cache = mlx_spec.make_cache(model)
+
+    class Stop(Exception):
+        pass
+
+    def progress(done, total):
+        if done >= 560:
+            raise Stop
+
+    with pytest.raises(Stop):
+        run(model, prompt=[3 + i % 90 for i in range(600)], max_tokens=5, prefill_step_size=16,
+            prompt_progress_callback=progress, prompt_cache=cache)
+    assert {c.offset for c in cache} == {0}
+    assert [r.token for r in run(model, max_tokens=6, prompt_cache=cache)] == [r.token for r in run(model, max_tokens=6)]
