@@ -208,7 +208,10 @@ class Row:
         """Leave: the row's own cache holds the prompt and the tokens the caller saw (all of the
         last block unless `seen` says how many of it); the caller's prompt cache gets it."""
         try:
-            if not self.out:  # failed before the first token: the cache as before the call
+            cut = seen is not None and self.user_cache is not None
+            if cut:
+                del self.out[len(self.out) - self.block + seen :]
+            if not self.out:  # failed before the first token, or none seen: the cache as before the call
                 try:
                     self.start.keep([])
                 except CacheRollbackError:  # a window that evicted what it held cannot go back:
@@ -216,15 +219,10 @@ class Row:
                     if self.user_cache is not None:
                         self.user_cache[:] = self.cache
                         logging.getLogger("mlx_spec").warning(
-                            "the request failed while its prompt was read, past what its sliding-window cache "
-                            "can roll back: the prompt cache was emptied")
+                            "the prompt cache could not go back to what it held before this request (a "
+                            "sliding-window cache read past its window): it was emptied")
             elif self.user_cache is not None:
-                if seen is not None:
-                    del self.out[len(self.out) - self.block + seen :]
-                    seen_in_block = seen
-                else:
-                    seen_in_block = self.block
-                self._finish_cache(seen_in_block)
+                self._finish_cache(seen if cut else self.block)
                 self.user_cache[:] = self.cache
         finally:
             self.settled = True

@@ -278,3 +278,17 @@ def test_batch_generate_takes_a_seed_per_prompt():
     assert mixed[0] == mixed[2] == same[0] and mixed[1] != mixed[0]
     with pytest.raises(ValueError, match="one per prompt"):
         run([1, 2])
+
+
+def test_a_row_released_before_its_caller_saw_a_token_leaves_the_prompt_cache_as_it_was():
+    """release(uid, 0) right after the first token: the caller saw nothing, so its prompt cache
+    holds what it held before the request (nothing here), and the next request starts from it."""
+    for model in (tiny.llama_model(), tiny.gemma3_model(window=4)):
+        cache = mlx_spec.make_cache(model)
+        decoder = mlx_spec.BatchDecoder(model, tiny.tokenizer())
+        uid = decoder.add([5, 6, 7, 8], None, prompt_cache=cache, max_tokens=10)
+        assert [len(block) for _, block in decoder.step()] == [1]
+        decoder.release(uid, 0)
+        assert {c.offset for c in cache} == {0}
+        want = mlx_spec.generate(model, tiny.tokenizer(), [5, 6, 7, 8], None, max_tokens=6)
+        assert mlx_spec.generate(model, tiny.tokenizer(), [5, 6, 7, 8], None, max_tokens=6, prompt_cache=cache) == want
