@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -461,3 +462,34 @@ def test_chart_is_skipped_with_a_hint_without_matplotlib(monkeypatch, tmp_path):
     why = report.chart({}, tmp_path / "c.png")
     assert "skipped" in why and "pip install" in why
     assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--methods", "baseline,foo"], "unknown method 'foo'"),
+    (["--methods", "ngram@x"], "--methods ngram@x: K must be 1..16 or auto"),
+    (["--methods", "ngram@0"], "K must be 1..16 or auto"),
+    (["--num-draft-tokens", "2,x"], r"--num-draft-tokens \['x'\]"),
+    (["--suites", "nosuch"], r"--suites \['nosuch'\]"),
+    (["--prompts-per-suite", "-1"], "--prompts-per-suite must be at least 0"),
+    (["--repeats", "0"], "--repeats must be at least 1"),
+    (["--load", "missing.json"], "--load missing.json: no such file"),
+    (["--drafter", "."], "--drafter .: name the method that runs it"),
+])
+def test_bad_bench_flags_get_one_error_line_before_any_model_is_loaded(flags, message, capsys, monkeypatch):
+    monkeypatch.setattr("mlx_spec.bench.cli._measure", lambda args: pytest.fail("a model was loaded"))
+    assert cli.main(["bench", "--model", "no-such-model", *flags]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
+
+
+def test_a_drafter_gets_its_heads_method_and_a_bare_name_keeps_its_sweep(tmp_path):
+    from mlx_spec.bench import cli as bench_cli
+
+    (tmp_path / "config.json").write_text(json.dumps({"mlx_spec": {"drafter": "eagle3"}}))
+    args = cli.build_parser(["bench"]).parse_args(["bench", "--drafter", str(tmp_path), "--methods", "baseline, ngram"])
+    args.num_draft_tokens = "2,auto"
+    bench_cli._check(args)
+    assert args.methods == "baseline,ngram,eagle3"
+    ctx = methods.Context(model=None, tokenizer=None)
+    plan = methods.plan_variants(["baseline", "ngram@8", "ngram"], [2, "auto"], ctx)
+    assert [v.label for v in plan.variants] == ["baseline", "ngram@2", "ngram@auto", "ngram@8"]

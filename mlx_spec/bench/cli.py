@@ -64,6 +64,9 @@ def run(args: argparse.Namespace) -> int:
         _list_presets()
         return 0
     if args.load:
+        if not Path(args.load).is_file():
+            print(f"error: --load {args.load}: no such file (a results.json a bench run saved)", file=sys.stderr)
+            return 2
         result = _judged(json.loads(Path(args.load).read_text()))
         return _report(result, args, Path(args.out) if args.out != "bench-results" else Path(args.load).parent)
     if args.preset:
@@ -81,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    try:
+        _check(args)  # before any model is loaded
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     result = _measure(args)
     if args.shard is None:
         return _report(result, args, Path(args.out))
@@ -89,6 +97,50 @@ def run(args: argparse.Namespace) -> int:
     rc = 0 if result is None else _report(result, args, Path(args.out))  # rank 0 reports
     barrier()  # the ranks end together (a peer's closed socket is noisy in the ring backend)
     return rc
+
+
+HEADS = ("mtp", "eagle", "eagle3", "dflash", "dspark")  # the methods that run --drafter
+
+
+def _check(args) -> None:
+    """Methods, draft lengths, suites and counts the run can use, else a ValueError naming the
+    flag; a --drafter without a head method gets its kind's method (from its config)."""
+    from mlx_spec.cache import MAX_DRAFT
+
+    from .methods import METHODS
+    from .suites import suite_names
+
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    for n in names:
+        name, at, k = n.partition("@")
+        if name not in METHODS:
+            raise ValueError(f"--methods: unknown method {name!r}; known: {', '.join(METHODS)}")
+        if at and not _draft_length(k):
+            raise ValueError(f"--methods {n}: K must be 1..{MAX_DRAFT} or auto")
+    bad = [k for k in args.num_draft_tokens.split(",") if not _draft_length(k.strip())]
+    if bad:
+        raise ValueError(f"--num-draft-tokens {bad}: each must be 1..{MAX_DRAFT} or auto")
+    unknown = [s for s in (args.suites.split(",") if args.suites else []) if s.strip() not in suite_names()]
+    if unknown:
+        raise ValueError(f"--suites {unknown}: known suites are {', '.join(suite_names())}")
+    for flag, value, low in (("--prompts-per-suite", args.prompts_per_suite, 0), ("--repeats", args.repeats, 1),
+                             ("--max-tokens", args.max_tokens, 1)):
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if args.drafter is not None and not any(n.partition("@")[0] in HEADS for n in names):
+        config = Path(args.drafter).expanduser() / "config.json"
+        kind = json.loads(config.read_text()).get("mlx_spec", {}).get("drafter") if config.is_file() else None
+        if kind not in HEADS:
+            raise ValueError(f"--drafter {args.drafter}: name the method that runs it in --methods "
+                             f"(one of {', '.join(HEADS)})")
+        names.append(kind)
+    args.methods = ",".join(names)
+
+
+def _draft_length(k: str) -> bool:
+    from mlx_spec.cache import MAX_DRAFT
+
+    return k == "auto" or (k.isdigit() and 1 <= int(k) <= MAX_DRAFT)
 
 
 def _apply_preset(args, preset) -> None:

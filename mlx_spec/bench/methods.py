@@ -192,6 +192,8 @@ def plan_variants(names: list[str], ks: list, ctx: Context,
         name, at, k = n.partition("@")
         if at:
             own.setdefault(name, []).append(int(k) if k.isdigit() else k)
+    for name in set(names) & set(own):  # named bare too: the sweep as well as its own lengths
+        own[name] = list(ks) + own[name]
     names = list(dict.fromkeys(n.partition("@")[0] for n in names))
     unknown = [n for n in names if n not in table]
     if unknown:
