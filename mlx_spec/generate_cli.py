@@ -252,20 +252,22 @@ def _generate(args, prompt: str) -> int:
     options = dict(max_tokens=args.max_tokens, num_draft_tokens=args.num_draft_tokens, temp=args.temp,
                    top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                    prefill_step_size=args.prefill_step_size, **cache_options(args))
-    text, last = "", None
+    text, last, shown = "", None, []
     for last in mlx_spec.stream_generate(model, tokenizer, ids, drafter, **options):
         print(last.text, end="", flush=True)
         text += last.text
+        shown.append(last.token)
     print()
     if show:
         _summary(last.stats, drafter, args, empty=not text)
     if args.compare:
-        _compare(model, tokenizer, ids, drafter, options, last)
+        _compare(model, tokenizer, ids, drafter, options, last, shown)
     return 0
 
 
-def _compare(model, tokenizer, ids, drafter, options, first) -> None:
-    """The same prompt decoded plainly and speculatively again, interleaved, and the speed-up."""
+def _compare(model, tokenizer, ids, drafter, options, first, shown: list[int]) -> None:
+    """The same prompt decoded plainly and speculatively again, interleaved with the run shown
+    (`first`, its tokens `shown`), and the speed-up."""
     import mlx_spec
 
     runs = {"plain": [], "speculative": []}
@@ -277,9 +279,9 @@ def _compare(model, tokenizer, ids, drafter, options, first) -> None:
     runs["speculative"].append(first.stats.generation_tps)
     plain = sum(runs["plain"]) / 2
     spec = sum(runs["speculative"]) / 2
-    same = "same tokens" if tokens["plain"] == tokens["speculative"] else "other tokens (sampled)"
+    same = "same tokens" if tokens["plain"] == tokens["speculative"] == shown else "other tokens (sampled)"
     print(f"Compare: plain {plain:.2f} tokens-per-sec, speculative {spec:.2f} tokens-per-sec: "
-          f"{spec / plain:.2f}x ({same}; plain, speculative, plain, speculative interleaved)")
+          f"{spec / plain:.2f}x ({same}; speculative as shown, then plain, speculative, plain)")
 
 
 def add_dist_timeout(p: argparse.ArgumentParser) -> None:
