@@ -88,3 +88,15 @@ def untimed_seeded_rows(monkeypatch):
     from mlx_spec.request import Request
 
     monkeypatch.setattr(Request, "repeatable", property(lambda self: self.seed is not None))
+
+
+@pytest.fixture(scope="module")
+def ngram_server():
+    """The tiny llama with an n-gram drafter, k = 4: the server most server tests share."""
+    from server_utils import running_server, word_tokenizer
+    from test_conversations import drafter_case
+
+    model, make = drafter_case(None, "ngram")
+    with running_server(model, word_tokenizer(), make(), num_draft_tokens=4) as s:
+        s.model = model
+        yield s
