@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,9 +122,10 @@ class BatchCosts:
         really costs on this machine (its overheads), not only the calibrated forwards."""
         try:
             data = json.loads(self.path.read_text())
-            if data.get("timing") != TIMING_VERSION:
+            if not isinstance(data, dict) or data.get("timing") != TIMING_VERSION:
                 return  # timed by an older mlx-spec (`learned.TIMING_VERSION`)
-            self.ratio = {(int(r), int(w)): _bounded(float(v)) for r, w, v in data["ratio"] if float(v) > 0}
+            self.ratio = {(int(r), int(w)): _bounded(float(v)) for r, w, v in data["ratio"]
+                          if math.isfinite(float(v)) and float(v) > 0}
         except (OSError, ValueError, KeyError, TypeError):
             pass  # absent or damaged: learned again
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
+import threading
 from pathlib import Path
 
 from .cache import MAX_DRAFT
@@ -99,16 +101,20 @@ def verify_seconds(model, n_max: int = N_MAX, recalibrate: bool = False) -> list
 
 def _read_curve(path: Path) -> list[float] | None:
     try:
-        return [float(t) for t in json.loads(path.read_text())["verify_seconds"]]
+        times = [float(t) for t in json.loads(path.read_text())["verify_seconds"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, unreadable or damaged: measured again
+    if not times or not all(math.isfinite(t) and t > 0 for t in times):
+        log.info("ignoring %s: its costs are not positive seconds (measured again)", path)
+        return None
+    return times
 
 
 def write_json(path: Path, data) -> None:
     """Write `data` to `path` whole or not at all (a temporary file, then a rename), so a
     reader in another process never sees half of it. Raises OSError when it cannot."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # (writers in threads too)
     tmp.write_text(json.dumps(data))
     tmp.replace(path)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from pathlib import Path
 
 from . import calibration
@@ -131,8 +132,16 @@ def _load_learned(policy: AdaptiveK, path: Path, sources: bool = True) -> bool:
     try:
         _apply_learned(policy, json.loads(path.read_text()), sources)
         return True
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False  # absent or damaged (the policy starts cold: `_apply_learned` sets it last)
+
+
+def _finite(value, low: float = 0.0) -> float:
+    """A number a kept policy may hold: finite and above `low`, else the file is damaged."""
+    value = float(value)
+    if not (math.isfinite(value) and value > low):
+        raise ValueError(f"not a usable number: {value}")
+    return value
 
 
 def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
@@ -146,19 +155,25 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
     # start: another process's workload (chat) may differ from this one's (code edits),
     # and a policy that started parked would rarely look again within one request.
     carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
-    policy.accept = [[a for a, _ in row] for row in carried]
-    policy.seen = [[n for _, n in row] for row in carried]
-    if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
-        policy.scale = data["scale"]
-        policy.shape = {int(k): float(v) for k, v in data["shape"].items()}
-        if data.get("tree_shapes"):
-            from .tree import ShapeChoice
-
-            policy.shapes = ShapeChoice.known({int(k): float(v) for k, v in data["tree_shapes"].items()})
+    timed = data.get("timing") == TIMING_VERSION  # step times taken as this version takes them
+    if timed:  # every value read and checked before any is set: a damaged file leaves a cold policy
+        scale = None if data["scale"] is None else _finite(data["scale"])
+        shape = {int(k): _finite(v) for k, v in data["shape"].items()}
+        trees = {int(k): _finite(v, low=-math.inf) for k, v in (data.get("tree_shapes") or {}).items()}
     if frees is not None:
-        policy.free_share = min(max(float(data["free_share"]), 0.0), 1.0)
+        share = min(max(_finite(data["free_share"], low=-math.inf), 0.0), 1.0)
         for p, learned in zip(frees, data["frees"]):
             _apply_learned(p, learned)
+    policy.accept = [[a for a, _ in row] for row in carried]
+    policy.seen = [[n for _, n in row] for row in carried]
+    if timed:
+        policy.scale, policy.shape = scale, shape
+        if trees:
+            from .tree import ShapeChoice
+
+            policy.shapes = ShapeChoice.known(trees)
+    if frees is not None:
+        policy.free_share = share
 
 
 def hand_back(drafter) -> None:

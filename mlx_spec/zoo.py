@@ -182,10 +182,10 @@ def is_complete(folder: Path, spec: ModelSpec) -> bool:
     try:
         marker = json.loads((folder / MARKER).read_text())
         current = marker["sha256"] == spec.sha256 and marker.get("format", 1) == FORMAT_VERSION
-        return current and all(
+        return current and bool(marker["files"]) and all(
             (folder / f).stat().st_size == size for f, size in marker["files"].items()
         )
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 

@@ -1,0 +1,94 @@
+"""What mlx-spec keeps on disk between runs (verify-cost curves, learned draft-length policies,
+batch costs) is read back only when its values can be: a damaged file (NaN, infinite, zero or
+negative costs, acceptances outside 0..1, negative counts, wrong types) is ignored whole, never
+half-applied, never crashes a run and never spreads into the next file written. Writers in
+several threads of one process never lose or tear a file."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+import tiny
+from mlx_spec import adaptive, calibration, learned
+from mlx_spec.batch_policy import TIMING_VERSION as BATCH_TIMING, BatchCosts
+
+
+@pytest.mark.parametrize("times", [[-1.0] * 17, [float("nan")] * 17, [0.0] * 17, [float("inf")] * 17, []])
+def test_a_curve_whose_costs_are_not_positive_seconds_is_measured_again(tmp_path, times):
+    path = tmp_path / "curve.json"
+    path.write_text(json.dumps({"verify_seconds": times}))
+    assert calibration._read_curve(path) is None
+    path.write_text(json.dumps({"verify_seconds": [0.1 * n for n in range(1, 18)]}))
+    assert calibration._read_curve(path) == pytest.approx([0.1 * n for n in range(1, 18)])
+
+
+def _policy() -> adaptive.AdaptiveK:
+    return adaptive.AdaptiveK(adaptive.CostModel([1.0 + 0.1 * n for n in range(17)]), 4)
+
+
+@pytest.mark.parametrize("damage", [
+    dict(accept=[[float("nan")] * 4] * adaptive.STATES), dict(accept=[[50.0] * 4] * adaptive.STATES),
+    dict(seen=[[-99] * 4] * adaptive.STATES), dict(scale="abc"), dict(scale=float("nan")),
+    dict(shape=[1, 2]), dict(shape={"2": float("inf")}), dict(tree_shapes=[1]),
+])
+def test_a_damaged_policy_file_leaves_the_policy_cold(tmp_path, damage):
+    warm = _policy()
+    warm.accept = [[0.9] * 4 for _ in range(adaptive.STATES)]
+    warm.seen = [[3] * 4 for _ in range(adaptive.STATES)]
+    warm.scale, warm.shape = 1.5, {2: 1.1}
+    path = tmp_path / "policy.json"
+    learned.save_learned(warm, path)
+    fresh = _policy()
+    assert learned._load_learned(fresh, path) and fresh.accept[0][0] == 0.9  # whole, it loads
+    path.write_text(json.dumps({**json.loads(path.read_text()), **damage}))
+    cold, before = _policy(), _policy()
+    assert not learned._load_learned(cold, path)
+    assert (cold.accept, cold.seen, cold.scale, cold.shape) == (before.accept, before.seen, before.scale, before.shape)
+
+
+@pytest.mark.parametrize("text", ["[]", "null", json.dumps({"timing": BATCH_TIMING, "ratio": [[2, 3, "nan"]]})])
+def test_a_damaged_batch_costs_file_is_ignored(tmp_path, text):
+    path = tmp_path / "batch.json"
+    path.write_text(text)
+    costs = BatchCosts(path)
+    costs.load()
+    assert costs.ratio == {}
+
+
+def test_writers_in_threads_never_lose_or_tear_a_file(tmp_path):
+    path, errors = tmp_path / "x.json", []
+
+    def write(i):
+        for j in range(50):
+            try:
+                calibration.write_json(path, {"writer": i, "n": j, "pad": "x" * 2000})
+            except OSError as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and json.loads(path.read_text())["n"] == 49
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_run_starts_from_a_damaged_cache_as_from_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLX_SPEC_CACHE", str(tmp_path))
+    import mlx_spec
+
+    model = tiny.llama_model()
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    want = mlx_spec.generate(model, tiny.tokenizer(), prompt, None, max_tokens=12)
+    assert mlx_spec.generate(model, tiny.tokenizer(), prompt, mlx_spec.NGramDrafter(), max_tokens=12) == want
+    for f in (tmp_path / "calibration").rglob("*.json"):
+        data = json.loads(f.read_text())
+        f.write_text(json.dumps({k: float("nan") if k in ("scale", "verify_seconds") else v for k, v in data.items()}
+                                if isinstance(data, dict) else data))
+    assert mlx_spec.generate(model, tiny.tokenizer(), prompt, mlx_spec.NGramDrafter(), max_tokens=12) == want
+    for f in (tmp_path / "calibration" / "policies").glob("*.json"):
+        assert "NaN" not in f.read_text()
