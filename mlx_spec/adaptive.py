@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -294,7 +293,4 @@ def _hoped(a: float, n: int) -> float:
 def _carried(a: float, n: int) -> tuple[float, int]:
     """An acceptance and its count as another request or process starts from them: never more
     pessimistic than a cold start, and worth a few observations (its text may differ)."""
-    a, n = float(a), int(n)
-    if not (math.isfinite(a) and 0 <= a <= 1 and n >= 0):
-        raise ValueError(f"not an acceptance and a count: {a}, {n}")  # a damaged file: start cold
-    return max(a, PRIOR), min(n, LOADED_WEIGHT)
+    return max(float(a), PRIOR), min(int(n), LOADED_WEIGHT)

@@ -154,6 +154,9 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
     # Warm, but worth only a few observations, and never more pessimistic than a cold
     # start: another process's workload (chat) may differ from this one's (code edits),
     # and a policy that started parked would rarely look again within one request.
+    if not all(math.isfinite(float(a)) and 0 <= float(a) <= 1 for row in accept for a in row) or any(
+            int(n) < 0 for row in seen for n in row):
+        raise ValueError("acceptances outside 0..1 or negative counts")  # damaged: start cold
     carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
     timed = data.get("timing") == TIMING_VERSION  # step times taken as this version takes them
     if timed:  # every value read and checked before any is set: a damaged file leaves a cold policy
