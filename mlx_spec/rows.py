@@ -132,9 +132,13 @@ class Row:
         asked, proposed = self.offer
         self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds,  # per depth
                              plain_by_choice=not asked or bool(proposed and not v.size))
-        # the stats count the drafts the caller gets: a block cut at EOS shows those up to it
-        eos = next((i for i, t in enumerate(v.emitted[: v.n]) if t in self.eos), None)
-        self.stats.observe(v.proposed, v.n if eos is None else eos + 1, self.req.trace, k, gain, v.size)
+        # the stats count the block the caller gets: one cut at a drafted EOS ends there (the
+        # drafts past it, kept or not, were never needed)
+        eos = next((i + 1 for i, t in enumerate(v.emitted[: v.n]) if t in self.eos), None)
+        if eos is None:
+            self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
+        else:
+            self.stats.observe(v.proposed, eos, self.req.trace, k, gain, eos)  # (the trace: all verified)
         self.stats.sync_seconds = self.sync_seconds
         self.steps += 1
         block = list(zip(v.emitted, [True] * v.n + [False], v.logprobs))
