@@ -132,17 +132,15 @@ class Row:
         asked, proposed = self.offer
         self.lengths.observe(v.size if v.depth is None else v.depth, v.n, seconds,  # per depth
                              plain_by_choice=not asked or bool(proposed and not v.size))
-        # the stats count the block the caller gets: one cut at a drafted EOS ends there (the
-        # drafts past it, kept or not, were never needed)
-        eos = next((i + 1 for i, t in enumerate(v.emitted[: v.n]) if t in self.eos), None)
-        if eos is None:
-            self.stats.observe(v.proposed, v.n, self.req.trace, k, gain, v.size)
-        else:
-            self.stats.observe(v.proposed, eos, self.req.trace, k, gain, eos)  # (the trace: all verified)
+        out = self.emit(list(zip(v.emitted, [True] * v.n + [False], v.logprobs)), v.token)
+        # the stats count the block the caller got: one cut at a drafted EOS ends there (the drafts
+        # past it, kept or not, were never needed; the trace keeps every verified draft)
+        shown = sum(r.from_draft for r in out)
+        ended = bool(out) and out[-1].from_draft and out[-1].finish_reason is not None
+        self.stats.observe(v.proposed, shown, self.req.trace, k, gain, shown if ended else v.size)
         self.stats.sync_seconds = self.sync_seconds
         self.steps += 1
-        block = list(zip(v.emitted, [True] * v.n + [False], v.logprobs))
-        return self.emit(block, v.token)
+        return out
 
     def emit(self, block, y: int) -> list[Response]:
         """Responses for a block, cut at EOS or `max_tokens`; `y` is the row's next input."""

@@ -138,9 +138,13 @@ def _check(args) -> None:
 
 
 def _draft_length(k: str) -> bool:
-    from mlx_spec.cache import MAX_DRAFT
+    from mlx_spec.request import check_num_draft
 
-    return k == "auto" or (k.isdigit() and 1 <= int(k) <= MAX_DRAFT)
+    try:
+        check_num_draft(int(k) if k.isdigit() else k)
+        return True
+    except ValueError:
+        return False
 
 
 def _apply_preset(args, preset) -> None:
