@@ -184,3 +184,36 @@ def test_a_realign_stopped_in_its_first_evaluation_resumes(tmp_path, target, mon
     monkeypatch.setattr(run_mod, "evaluate", evaluate)
     report = realign(model, tok, None, tmp_path / "out", resume=True, log=lambda m: None)
     assert set(report) == {"before", "after"} and report["before"]["identical_to_plain"]
+
+
+def test_flags_given_with_resume_must_be_the_runs_own(tmp_path, target, capsys):
+    """--resume continues with the run's settings: a flag that would be ignored is refused by name,
+    before the model is loaded (the --model here does not exist); the run's own values pass."""
+    model, tok = target
+    out = tmp_path / "out"
+    train_eagle3(model, tok, out, prompts=PROMPTS, **QUICK)
+    head = tmp_path / "head"
+    cfg = head_config(model, [1, 2, 4], 32)
+    write_head(head, Eagle3Head(cfg), cfg, mx.arange(32, dtype=mx.int32))
+    realigned = tmp_path / "realigned"
+    realign(model, tok, head, realigned, prompts=PROMPTS,
+            **{k: v for k, v in QUICK.items() if k not in ("draft_vocab", "tap_layers")})
+    eagle = ["train", "eagle3", "--model", str(tmp_path / "no-such-model"), "--out", str(out), "--resume"]
+    again = ["train", "realign", "--model", str(tmp_path / "no-such-model"), "--out", str(realigned), "--resume"]
+    for argv, says in [
+        (eagle + ["--lr", "0.01"], "--lr 0.01 (the run has 0.0003)"),
+        (eagle + ["--steps", "40", "--eval-tokens", "2"], "--steps 40 (the run has 1)"),
+        (eagle + ["--init", "random"], "--init random (the run has target)"),
+        (eagle + ["--tap-layers", "1,2,4"], "--tap-layers 1,2,4 (fixed when the run made its data and head)"),
+        (eagle + ["--samples", "9"], "--samples 9 (fixed when"),
+        (again + ["--drafter", str(out)], f"--drafter {out} (the run has {head.resolve()})"),
+        (again + ["--drafter", str(head), "--eval-k", "3"], "--eval-k 3 (the run has 4)"),
+    ]:
+        assert cli_main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--resume continues" in err and says in err, (argv, err)
+    for argv in (eagle + ["--steps", "1", "--eval-tokens", "2", "--lr", "3e-4"], again + ["--drafter", str(head)]):
+        with pytest.raises(Exception) as e:  # past the check: loading the model fails
+            assert cli_main(argv) != 0
+            raise AssertionError(capsys.readouterr().err)
+        assert "--resume continues" not in str(e.value)

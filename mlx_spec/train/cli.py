@@ -10,6 +10,15 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+
+# Flags a run is started with, and their defaults. They default to None in the parser, so that
+# `--resume` can tell the ones given (it continues with the run's own settings) from the rest.
+def _defaults(samples: int, epochs: float, lr: float) -> dict:
+    return dict(samples=samples, eval_prompts=8, max_length=512, epochs=epochs, lr=lr, ttt_steps=7,
+                feature_cache_gb=2.0, checkpoint_every=200, log_every=10, eval_k=4, eval_tokens=128, seed=0,
+                magpie_topics="chat,code")
 
 
 def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) -> None:
@@ -17,26 +26,28 @@ def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) 
     p.add_argument("--out", required=True, help="output folder: the head, its checkpoints, data and eval.json")
     p.add_argument("--prompts", help="JSONL of {'messages': [...]} or {'prompt': '...'} rows; without it "
                    "the target writes its own prompts from its chat template")
-    p.add_argument("--magpie-topics", default="chat,code",
+    p.add_argument("--magpie-topics",
                    help="without --prompts: what the target's own prompts ask for, alternating "
                         "(chat, code; default chat,code)")
-    p.add_argument("--samples", type=int, default=samples, help=f"training prompts (default {samples})")
-    p.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the evaluation (default 8)")
-    p.add_argument("--max-length", type=int, default=512, help="tokens per sequence, prompt included (default 512)")
+    p.add_argument("--samples", type=int, help=f"training prompts (default {samples})")
+    p.add_argument("--eval-prompts", type=int, help="held-out prompts for the evaluation (default 8)")
+    p.add_argument("--max-length", type=int, help="tokens per sequence, prompt included (default 512)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--epochs", type=float, default=epochs, help=f"passes over the data (default {epochs})")
+    g.add_argument("--epochs", type=float, help=f"passes over the data (default {epochs})")
     g.add_argument("--steps", type=int, help="optimizer steps (one sequence each), instead of --epochs")
-    p.add_argument("--lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
-    p.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
-    p.add_argument("--feature-cache-gb", type=float, default=2.0,
+    p.add_argument("--lr", type=float, help=f"peak learning rate (default {lr})")
+    p.add_argument("--ttt-steps", type=int, help="unrolled training-time-test steps (default 7)")
+    p.add_argument("--feature-cache-gb", type=float,
                    help="memory for the target's features kept between epochs, so the target runs "
                         "once per sequence (default 2; 0 recomputes them every epoch)")
-    p.add_argument("--checkpoint-every", type=int, default=200, help="optimizer steps between checkpoints")
-    p.add_argument("--log-every", type=int, default=10, help="optimizer steps between progress lines")
-    p.add_argument("--eval-k", type=int, default=4, help="draft length of the evaluation (default 4)")
-    p.add_argument("--eval-tokens", type=int, default=128, help="tokens generated per evaluation prompt")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, help="optimizer steps between checkpoints (default 200)")
+    p.add_argument("--log-every", type=int, help="optimizer steps between progress lines (default 10)")
+    p.add_argument("--eval-k", type=int, help="draft length of the evaluation (default 4)")
+    p.add_argument("--eval-tokens", type=int, help="tokens generated per evaluation prompt (default 128)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped, "
+                   "with the settings it was started with")
+    p.add_argument("--seed", type=int, help="data order and prompts (default 0)")
+    p.set_defaults(defaults=_defaults(samples, epochs, lr))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default: min(16384, target's))")
     e.add_argument("--data-from", help="reuse the generated data and held-out prompts of an earlier run's "
                    "folder instead of generating them (e.g. to try other settings)")
-    e.add_argument("--init", choices=("target", "random"), default="target",
+    e.add_argument("--init", choices=("target", "random"),
                    help="how the head's output layer starts: as the target's own LM head and final norm, "
                         "cut to the draft vocabulary (default), or random")
     e.add_argument("--tap-layers", help="target layers whose outputs the head reads, e.g. 1,14,26 "
@@ -67,6 +78,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     x.add_argument("--force", action="store_true", help="replace DEST if it exists")
 
 
+def _given(args) -> dict:
+    """The run-shaping flags given on the command line, by their flag names."""
+    names = list(args.defaults) + ["steps", "prompts"]
+    names += ["draft_vocab", "data_from", "tap_layers", "init"] if args.job == "eagle3" else []
+    given = {"--" + n.replace("_", "-"): getattr(args, n) for n in names if getattr(args, n) is not None}
+    if args.job == "realign":
+        given["--drafter"] = str(Path(args.drafter).resolve())
+    return given
+
+
 def _taps(text):
     if not text:
         return None
@@ -81,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.job == "export":
             return _export(args)
+        given = _given(args)
+        if args.resume:
+            from .run import check_resume
+
+            check_resume(Path(args.out), args.job, given)  # before the model is even loaded
+        for name, value in args.defaults.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
         prompts = args.prompts
         if prompts is not None:
             from .data import read_prompts
@@ -100,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             from .run import train_eagle3
 
             train_eagle3(model, tokenizer, args.out, draft_vocab=args.draft_vocab, data_from=args.data_from,
-                         tap_layers=_taps(args.tap_layers), init=args.init, **common)
+                         tap_layers=_taps(args.tap_layers), init=args.init or "target", **common)
         else:
             from .run import realign
 

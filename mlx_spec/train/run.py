@@ -87,6 +87,41 @@ def check_out(out: Path, resume: bool) -> None:
                          "or choose a new --out")
 
 
+# Where a run keeps the settings --resume continues with, by flag (the rest shape its data or head).
+_SAVED = {"--steps": ("settings", "steps"), "--lr": ("settings", "lr"), "--ttt-steps": ("settings", "ttt_steps"),
+          "--seed": ("settings", "seed"), "--checkpoint-every": ("settings", "checkpoint_every"),
+          "--log-every": ("settings", "log_every"), "--feature-cache-gb": ("settings", "feature_cache_gb"),
+          "--eval-k": ("eval_k",), "--eval-tokens": ("eval_tokens",), "--drafter": ("drafter",), "--init": ("init",)}
+
+
+def saved_run(out: Path, kind: str) -> dict:
+    """The train.json of the `kind` run to resume in `out`."""
+    check_out(out, True)
+    run = json.loads((out / "train.json").read_text())
+    if run.get("kind") != kind:
+        raise ValueError(f"{out} holds a train {run.get('kind')} run; resume it with `mlx-spec train "
+                         f"{run.get('kind')} --resume`")
+    return run
+
+
+def check_resume(out: Path, kind: str, given: dict) -> None:
+    """Refuse flags given with --resume that would not be used: a run continues with its own settings
+    (that is what makes a resumed run's weights an uninterrupted one's)."""
+    run, wrong = saved_run(out, kind), []
+    for flag, value in given.items():
+        if flag not in _SAVED:
+            wrong.append(f"{flag} {value} (fixed when the run made its data and head)")
+            continue
+        saved = run
+        for key in _SAVED[flag]:
+            saved = saved.get(key) if isinstance(saved, dict) else None
+        if saved != value:
+            wrong.append(f"{flag} {value} (the run has {saved})")
+    if wrong:
+        raise ValueError(f"--resume continues {out} with the settings it was started with, and these differ: "
+                         f"{'; '.join(wrong)}. Leave them out, or start a new run in another --out.")
+
+
 def read_prompts(path, seed: int) -> list:
     """The prompts file's rows in a seeded order (`--samples` takes the first ones)."""
     rows = D.read_prompts(path)
@@ -182,10 +217,7 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                   lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
                   eval_k=eval_k, eval_tokens=eval_tokens)
     if resume:
-        run = json.loads((out / "train.json").read_text())
-        if run.get("kind") != "eagle3":
-            raise ValueError(f"{out} holds a train {run.get('kind')} run; resume it with `mlx-spec train "
-                             f"{run.get('kind')} --resume`")
+        run = saved_run(out, "eagle3")
         cfg = json.loads((out / "config.json").read_text())
         check_target(model, f"{out} (the run to resume)", "Resume with the target the run was started with.",
                      made_for=cfg["mlx_spec"]["target"])
@@ -259,9 +291,7 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
                   lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
                   eval_k=eval_k, eval_tokens=eval_tokens)
     if resume:
-        run = json.loads((out / "train.json").read_text())
-        if run.get("kind") != "realign":
-            raise ValueError(f"{out} holds a train eagle3 run; resume it with `mlx-spec train eagle3 --resume`")
+        run = saved_run(out, "realign")
         drafter_dir = run["drafter"]
     drafter = load_drafter(drafter_dir, model)  # refuses a head made for another target
     head, cfg = drafter.head, json.loads(json.dumps(drafter.config))
