@@ -217,3 +217,26 @@ def test_flags_given_with_resume_must_be_the_runs_own(tmp_path, target, capsys):
             assert cli_main(argv) != 0
             raise AssertionError(capsys.readouterr().err)
         assert "--resume continues" not in str(e.value)
+
+
+def test_a_bfloat16_head_is_realigned_on_a_float32_copy(tmp_path, target):
+    """Steps of lr 1e-5 are below a bfloat16 weight's resolution: trained in bfloat16, the head
+    would come out (nearly) unchanged."""
+    from mlx.utils import tree_flatten
+
+    model, tok = target
+    head = tmp_path / "head"
+    cfg = head_config(model, [1, 2, 4], 32)
+    net = Eagle3Head(cfg)
+    net.set_dtype(mx.bfloat16)
+    write_head(head, net, cfg, mx.arange(32, dtype=mx.int32))
+    before = dict(tree_flatten(net.parameters()))
+    out = tmp_path / "out"
+    quick = {k: v for k, v in QUICK.items() if k not in ("draft_vocab", "tap_layers")}
+    report = realign(model, tok, head, out, prompts=PROMPTS, lr=1e-5, **{**quick, "steps": 2})
+    after = mx.load(str(out / "model.safetensors"))
+    w = "layers.0.self_attn.q_proj.weight"
+    assert after[w].dtype == mx.float32 and before[w].dtype == mx.bfloat16
+    moved = (after[w] != before[w].astype(mx.float32)).mean().item()
+    assert moved > 0.5, moved  # in bfloat16, about none of them move
+    assert report["before"]["identical_to_plain"] and report["after"]["identical_to_plain"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 
 from ..drafters.base import check_target, target_output_rows, vocab_size
 from ..taps import EMBED, decoder_stack, final_norm_name
@@ -305,6 +306,12 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
     V = vocab_size(model)
     d2t = drafter._d2t if drafter._d2t is not None else mx.arange(V, dtype=mx.int32)
     cfg["mlx_spec"]["target"] = target_identity(model)
+    # A float32 master copy (exact for bf16/fp16 weights): steps of lr ~1e-4 are below a bfloat16
+    # weight's resolution and would round away. The head is written in float32, as train eagle3's.
+    cast = any(v.dtype != mx.float32 for _, v in tree_flatten(head.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+    if cast:
+        head.set_dtype(mx.float32)
+        log(f"{drafter_dir} holds lower-precision weights: fine-tuned and written in float32")
     if resume:
         rows, held = _load_data(out)
         settings = Settings(**run["settings"])
@@ -324,7 +331,8 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
         trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
         trainer.save()  # resumable from here: the data and step 0, before the evaluation below
     if "before" not in run:  # the published head on the held-out prompts (again, when stopped in it)
-        published = load_drafter(drafter_dir, model) if resume else drafter  # (restore() changed `drafter`)
+        # As published: restore() or the float32 copy changed `drafter`.
+        published = load_drafter(drafter_dir, model) if resume or cast else drafter
         run["before"] = evaluate(model, tokenizer, published, held, eval_k, eval_tokens, log=log)
         log("before: " + summary(run["before"]))
         save_json(out / "train.json", run)
