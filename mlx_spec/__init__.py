@@ -22,6 +22,7 @@ _EXPORTS = {
     "make_cache": ".cache",
     "InUseError": ".identity",
     "PromptCacheStore": ".prompt_cache",
+    "save_prompt_cache": ".prompt_cache",
     "Draft": ".drafters",
     "Drafter": ".drafters",
     "DraftModelDrafter": ".drafters",

@@ -21,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
@@ -223,3 +224,46 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def save_prompt_cache(file_name: str, cache: list, metadata: dict[str, str] | None = None) -> None:
+    """mlx-lm's `save_prompt_cache` for a prompt cache mlx-spec has used.
+
+    Speculative decoding keeps sliding-window layers as `WindowKVCache` (it can roll back
+    rejected drafts), a class mlx-lm's loader does not know; they are written as the
+    `RotatingKVCache` layers they stand for, so `mlx_lm.models.cache.load_prompt_cache`
+    reads the file, and mlx-lm and mlx-spec both continue from it. `cache` is not changed.
+    """
+    from mlx_lm.models.cache import save_prompt_cache as save
+
+    save(file_name, [_as_mlx_lm(c) for c in cache], metadata)
+
+
+def _as_mlx_lm(c: Any) -> Any:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from .cache import WindowKVCache, _is_container
+
+    if _is_container(c):
+        parts = [_as_mlx_lm(x) for x in c.caches]
+        if all(a is b for a, b in zip(parts, c.caches)):
+            return c
+        out = copy.copy(c)
+        out.caches = parts
+        return out
+    if not isinstance(c, WindowKVCache):
+        return c
+    ring = RotatingKVCache(c.window, keep=c.keep)
+    if c.empty() or c.offset == 0:
+        return ring
+    keys, values = c.state  # the sinks, then the most recent positions, oldest first
+    rows = keys.shape[2]
+    if c.offset > rows and rows < c.window:
+        # A rollback left window - 1 rows; mlx-lm's ring holds `window` once full, and its next
+        # write replaces the oldest row after the sinks: a row no query sees.
+        sinks, pad = min(c.keep, rows), c.window - rows
+        keys, values = (mx.concatenate([v[..., :sinks, :], mx.zeros((*v.shape[:2], pad, v.shape[3]), v.dtype),
+                                        v[..., sinks:, :]], axis=2) for v in (keys, values))
+    ring.keys, ring.values, ring.offset = keys, values, c.offset
+    ring._idx = keys.shape[2]  # in temporal order, as mlx-lm's own prompt read leaves it
+    return ring
