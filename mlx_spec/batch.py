@@ -279,6 +279,8 @@ class BatchDecoder:
                 k = min(k, _unquantized_room(row))
             ks.append(k)
         cache = self.batch if self.batch is not None else rows[0].cache
+        if self.batch is None:  # mlx-lm's kv_bits quantization first: a quantized cache verifies chains
+            rows[0].req.quantize_cache(cache)  # (rows in a batch are settled: batch_cache.kind)
         for row, k in zip(rows, ks):  # auto's tree shape, before drafting when the drafter can take it
             if (k and getattr(row.drafter, "plans_trees", bool)() and isinstance(row.lengths, AdaptiveK)
                     and self._trees_verify(row, cache, len(rows))):

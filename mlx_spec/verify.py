@@ -246,10 +246,8 @@ def _forward(model, cache: list, blocks: list, inputs: list, drafts: list):
 
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
     """One target forward over every row's block, a chain or a tree; each keeps what it accepted."""
-    single = len(rows) == 1
+    single = len(rows) == 1  # (a lone row's cache was quantized before its drafts: BatchDecoder)
     blocks = [CHAIN if d.parents is None else Tree(cache, d) for d in drafts]
-    if single and blocks[0] is CHAIN:  # (rows in a batch are settled: batch_cache.kind) between steps, never inside a checkpoint
-        rows[0].req.quantize_cache(cache)
     T = 1 + max(d.size for d in drafts)
     ckpt = checkpoint(model, cache, len(rows))
     try:

@@ -156,14 +156,18 @@ def test_the_prompt_cache_holds_every_token_the_caller_saw_like_mlx_lms():
 
 
 @pytest.mark.parametrize("start", [13, 21])
-def test_blocks_never_cross_quantized_kv_start_unquantized(start):
+@pytest.mark.parametrize("trees", [False, True])
+def test_blocks_never_cross_quantized_kv_start_unquantized(start, trees):
     """mlx-lm quantizes the cache after each step once it holds quantized_kv_start tokens, so
-    the tokens past it see quantized keys; a verified block stops short of that point."""
+    the tokens past it see quantized keys; a verified block stops short of that point, and a
+    draft tree (verified only over plain KV layers) is not verified on a cache due for it."""
     model = tiny.llama_model(hidden=128, heads=4, kv_heads=2)
     kw = dict(max_tokens=40, kv_bits=2, kv_group_size=32, quantized_kv_start=start)
     want = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, **kw)]
-    out = run(model, drafter=DraftModelDrafter(model, min_confidence=None), num_draft_tokens=8, **kw)
+    drafter = DraftModelDrafter(model, min_confidence=None, **(dict(tree_budget=8) if trees else {}))
+    out = run(model, drafter=drafter, num_draft_tokens=8, **kw)
     assert [r.token for r in out] == want and out[-1].stats.accepted > 10
+    assert (out[-1].stats.tree_steps > 0) == (trees and start > len(PROMPT) + 1)  # trees until it
 
 
 def test_bfloat16_greedy_picks_mlx_lms_token_where_rounding_ties_two():
