@@ -282,9 +282,11 @@ class BatchDecoder:
         if self.batch is None:  # mlx-lm's kv_bits quantization first: a quantized cache verifies chains
             rows[0].req.quantize_cache(cache)  # (rows in a batch are settled: batch_cache.kind)
         for row, k in zip(rows, ks):  # auto's tree shape, before drafting when the drafter can take it
-            if (k and getattr(row.drafter, "plans_trees", bool)() and isinstance(row.lengths, AdaptiveK)
-                    and self._trees_verify(row, cache, len(rows))):
-                row.drafter.plan_tree(self._pick_shape(row))
+            if k and getattr(row.drafter, "plans_trees", bool)():
+                if not self._trees_verify(row, cache, len(rows)):
+                    row.drafter.plan_tree(0)  # a chain: only one branch of a tree would be verified
+                elif isinstance(row.lengths, AdaptiveK):
+                    row.drafter.plan_tree(self._pick_shape(row))
         drafts = propose(rows, ks)
         for row, k, d in zip(rows, ks, drafts):
             row.offer = (k, d.size)  # asked, proposed (before any trimming)
@@ -319,7 +321,7 @@ class BatchDecoder:
     def _trees_verify(self, row: Row, cache: list, width: int) -> bool:
         """Whether this step can verify a tree (plain KV layers, ropes that take a position per
         row in a batch, no logits processors)."""
-        return tree.tree_capable(cache, self.model if width > 1 else None) and not row.req.logits_processors
+        return tree.tree_capable(cache, self.model, batch=width > 1) and not row.req.logits_processors
 
     def _pick_shape(self, row: Row) -> int:
         """auto: how much of the tree, by what each shape has paid (on a sharded target every

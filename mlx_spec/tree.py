@@ -16,8 +16,8 @@ would give. After acceptance the kept path's cache rows are gathered into
 place and the rest dropped (`compact`). A chain is the tree whose parents are
 -1, 0, 1, ...: it needs neither wrapper, and its compaction is a trim.
 
-Acceptance (`walk`): at the current node u with children c_1 .. c_m (distinct
-tokens), greedy moves to the child equal to argmax p_u. Sampling tries the
+Acceptance (`walk`): at the current node u with children c_1 .. c_m (a token
+repeated among them is tried once), greedy moves to the child equal to argmax p_u. Sampling tries the
 children in order: c_i is accepted with probability p'(c_i), where p' is p_u
 with the tokens already rejected removed and renormalised; when none is
 accepted the next token is drawn from that residual, and a node without
@@ -28,13 +28,17 @@ candidate rule without draft probabilities), so the output is the target's.
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .identity import IdentityMap
 from .sampling import greedy_tokens
+
+log = logging.getLogger("mlx_spec")
 
 
 def depths(parents: Sequence[int]) -> list[int]:
@@ -63,29 +67,66 @@ def ancestry(parents: Sequence[int]) -> np.ndarray:
     return mask
 
 
-def tree_capable(cache: list, model=None) -> bool:
+def tree_capable(cache: list, model, batch: bool = False) -> bool:
     """Whether a tree can be verified on this cache: plain KV layers (gathered after
-    acceptance), one row's or a batch's (`BatchKVCache`, when the model's ropes take a
-    position per row: `DepthRoPE`)."""
-    if bool(cache) and all(type(c) is KVCache for c in cache):
+    acceptance), one row's or a batch's (`batch`: `BatchKVCache`, when the model's ropes take a
+    position per row: `DepthRoPE`), of a model whose tree nodes its ropes can place."""
+    if not cache or not places_nodes(model):
+        return False
+    if all(type(c) is KVCache for c in cache):
         return True
-    return (model is not None and bool(cache) and all(type(c) is BatchKVCache for c in cache)
+    return (batch and all(type(c) is BatchKVCache for c in cache)
             and all(type(m[k]) in _ARRAY_OFFSET_ROPES for m, k in _ropes(model)))
 
 
-class TreeCache:
+# Models whose forward reads positions outside their ropes (attention scaled by position:
+# Llama 4's temperature tuning, Ministral 3 / Mistral 4's llama_4_scaling_beta), so a tree
+# node would be scaled for its place in the block rather than its depth.
+_POSITION_SCALED = ("llama4", "ministral3", "mistral4")
+_PLACES = IdentityMap()  # model -> [whether ropes place its tree nodes, and nothing else reads positions]
+
+
+def places_nodes(model) -> bool:
+    """Whether `DepthRoPE` puts every tree node of `model` at its depth: the model has rope
+    modules (no learned position embeddings) and no position terms outside them."""
+    def judge():
+        args = getattr(model, "args", None)
+        scaled = getattr(args, "model_type", None) in _POSITION_SCALED or any(
+            "llama_4_scaling_beta" in (getattr(a, "rope_parameters", None) or {})
+            for a in (args, getattr(args, "text_config", None)) if a is not None and not isinstance(a, dict))
+        if scaled:
+            log.info("%s scales attention by position outside its ropes: its draft trees are verified "
+                     "as chains", type(model).__module__)
+        return [bool(_ropes(model)) and not scaled]
+
+    return _PLACES.setdefault(model, judge)[0]
+
+
+class LayerView:
+    """A KV layer seen through a wrapper for one forward: what the wrapper does not change,
+    read or written, is the layer's (mlx-lm's pipeline stages tie `keys` to their sends)."""
+
+    def __init__(self, inner):
+        object.__setattr__(self, "inner", inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def update_and_fetch(self, keys, values):
+        return self.inner.update_and_fetch(keys, values)
+
+
+class TreeCache(LayerView):
     """A KV layer seen through a tree block: the model's mask is the tree's. `mask` is [N, W]
     for one row, or [B, N, W] for the rows of a batch cache (`BatchKVCache`: each row also
     never sees its own left padding)."""
 
     def __init__(self, inner: KVCache, mask: mx.array):
-        self.inner, self._mask = inner, mask
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def update_and_fetch(self, keys, values):
-        return self.inner.update_and_fetch(keys, values)
+        super().__init__(inner)
+        object.__setattr__(self, "_mask", mask)
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None, **kwargs):
         """The block's N rows see every cached position before the tree's own columns (the
@@ -274,12 +315,15 @@ def walk(parents: Sequence[int], tokens: list[int], read: list[list], greedy: bo
                 return path, best
         else:
             p_node, u, full, rest = read
-            left, nxt = 1.0, None
+            left, nxt, rejected = 1.0, None, set()
             for j in kids[row]:
+                if tokens[j] in rejected:  # a repeated sibling: p' (rejected tokens removed) is 0 there
+                    continue
                 if u[j] * left < p_node[j]:  # accept with probability p(c) / (1 - sum p(rejected))
                     nxt = j
                     break
                 left -= p_node[j]
+                rejected.add(tokens[j])
             if nxt is None:
                 return path, (rest if kids[row] else full)[row]
         path.append(nxt)

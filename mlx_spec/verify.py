@@ -155,25 +155,13 @@ def prefill_together(model, rows: list) -> list[tuple[int, mx.array]]:
     return out
 
 
-class ArrayMask:
+class ArrayMask(tree.LayerView):
     """A KV layer seen by one multi-token forward that asks for its causal mask as an array.
 
     Given the string "causal", MLX's attention on the CPU builds the mask again inside every
     layer (a few small operations each, 30 layers: about a tenth of a 5-token verify in the
     GPU-like regime of scripts/overhead.py); an array is built once per forward and shared
     by every layer. Same values, bit for bit (tested)."""
-
-    def __init__(self, inner):
-        object.__setattr__(self, "inner", inner)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):  # e.g. mlx-lm's pipeline stages tie keys to their sends
-        setattr(self.inner, name, value)
-
-    def update_and_fetch(self, keys, values):
-        return self.inner.update_and_fetch(keys, values)
 
     def make_mask(self, N: int, *args, **kwargs):
         return self.inner.make_mask(N, *args, **{**kwargs, "return_array": True})

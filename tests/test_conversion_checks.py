@@ -53,6 +53,13 @@ def test_a_reduced_vocabulary_head_without_its_id_table_is_refused(tmp_path):
     mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
     with pytest.raises(ValueError, match="48 of the target's 96 tokens but has no draft_to_target"):
         mlx_spec.load_drafter(out, target)
+    # A table mapping two draft tokens to one target token (a damaged or hand-made checkpoint)
+    # would make a tree's siblings repeat; it is refused by name.
+    w["draft_to_target"] = mx.concatenate([mx.arange(47, dtype=mx.int32), mx.array([3], mx.int32)])
+    mx.save_safetensors(str(out / "model.safetensors"), w, metadata={"format": "mlx"})
+    with pytest.raises(ValueError, match="draft_to_target must map each draft token to its own target "
+                                         r"token \(distinct ids >= 0\), but it has 1 repeated"):
+        mlx_spec.load_drafter(out, target)
 
 
 @pytest.fixture

@@ -80,3 +80,7 @@ def test_bad_tree_settings_are_refused_for_heads(tmp_path):
     model = tiny.llama_model(layers=6)
     with pytest.raises(ValueError, match="tree_budget must be an integer"):
         drafter_for(tmp_path, model, "eagle", tree_budget=0)
+    for bad, says in [(dict(tree_budget=True), "tree_budget must be an integer"),  # (True is an int)
+                      (dict(tree_budget=4, tree_width=True), "tree_width must be an integer")]:
+        with pytest.raises(ValueError, match=says):
+            mlx_spec.load_drafter(tmp_path / "out", model, **bad)

@@ -37,7 +37,7 @@ def chain_logits(d, y, path):
     return np.array(logits.astype(mx.float32))
 
 
-@pytest.mark.parametrize("case", ["qwen3_5", "mimo"])
+@pytest.mark.parametrize("case", ["mimo"])  # (Qwen3.5 targets verify chains: they draft no trees)
 def test_mtp_trees_are_the_brute_force_over_the_modules_chain(made, case):
     folder, model, tok = made[case]
     d = mlx_spec.load_drafter(folder, model, kind="mtp", tree_budget=9, tree_width=3)

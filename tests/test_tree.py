@@ -350,3 +350,85 @@ def test_tree_sources_keep_greedy_output():
                                             num_draft_tokens=6))
         assert [r.token for r in out] == want, name
         assert trees_seen[0] >= at_least and out[-1].stats.accepted > 0, name
+
+
+def ministral3_model():
+    """A tiny Ministral 3: attention scaled by each query's position (llama_4_scaling_beta), every
+    16 positions here, outside its ropes."""
+    from mlx_lm.models import ministral3
+
+    args = ministral3.ModelArgs(
+        model_type="ministral3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=tiny.VOCAB, head_dim=16,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        rope_parameters=dict(rope_theta=10000.0, rope_type="default", llama_4_scaling_beta=1.0,
+                             original_max_position_embeddings=16))
+    mx.random.seed(0)
+    model = ministral3.Model(args)
+    model.lm_head.weight = model.lm_head.weight * 8
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_target_scaling_attention_by_position_verifies_chains():
+    """A tree node sits at offset + depth for the ropes, but Ministral 3 scales its query by
+    offset + its place in the block: such targets verify the first branch as a chain."""
+    model = ministral3_model()
+    assert not tree.tree_capable([KVCache()], model) and tree.tree_capable([KVCache()], tiny.llama_model())
+    for n in (6, 9, 12):
+        prompt = list(range(3, 3 + n))
+        out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), prompt, Forks(model, prompt, 40),
+                                            max_tokens=40, num_draft_tokens=6))
+        assert [r.token for r in out] == reference(model, prompt, 40)
+        assert out[-1].stats.tree_steps == 0 and out[-1].stats.accepted > 10
+
+
+def test_a_draft_model_drafts_chains_for_a_target_that_cannot_verify_trees():
+    """No tree is grown for a step that would verify only its first branch (a recurrent target)."""
+    drafter = mlx_spec.DraftModelDrafter(tiny.llama_model(seed=1), min_confidence=None, tree_budget=8)
+    sizes, propose = [], drafter.propose
+
+    def spy(y, k, sampling):
+        draft = propose(y, k, sampling)
+        sizes.append((k, draft.size, draft.parents))
+        return draft
+
+    drafter.propose = spy
+    model = tiny.qwen3_5_model()
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, drafter, max_tokens=20, num_draft_tokens=6))
+    assert [r.token for r in out] == reference(model, PROMPT, 20)
+    assert sizes and all(size <= k and (parents is None or tree.is_chain(parents)) for k, size, parents in sizes)
+
+
+def test_a_repeated_sibling_is_tried_once():
+    """Children [a, a]: the second is no second chance for a (its residual probability is 0).
+    Treating them as two candidates (the deliberately wrong rule) nearly doubles a's share."""
+    from mlx_spec.sampling import Sampling
+
+    p = np.array([0.2, 0.3, 0.5])
+    logits = mx.log(mx.array(np.stack([p] * 3).astype(np.float32)))
+    parents, n = (-1, -1), 3000
+    mx.random.seed(0)
+    right, wrong = np.zeros(3), np.zeros(3)
+    for _ in range(n):
+        read = [a.tolist() for a in tree.draws(logits, mx.array([0, 0], mx.uint32), parents, Sampling(temp=1.0))]
+        path, nxt = tree.walk(parents, [0, 0], read, False)
+        right[0 if path else nxt] += 1
+        path, nxt = tree.walk(parents, [0, 1], read, False)  # the same draws, as if two candidates
+        wrong[0 if path else nxt] += 1
+
+    def chi2(counts):
+        return float((((counts - n * p) ** 2) / (n * p)).sum())
+
+    assert chi2(right) < 13.8 < chi2(wrong)  # chi-square, 2 degrees of freedom, p = 0.001
+
+
+def test_a_tree_block_passes_attribute_writes_to_the_layer():
+    """mlx-lm's pipelined forwards tie their sends to the cache (`cache[-1].keys = mx.depends(...)`):
+    through a tree block's view of a layer the write must reach the layer itself."""
+    layer = KVCache()
+    layer.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))
+    view = tree.TreeCache(layer, mx.ones((1, 1), mx.bool_))
+    tied = mx.depends(view.keys, mx.array(1.0))
+    view.keys = tied
+    assert layer.keys is tied and view.keys is tied and "keys" not in vars(view)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import MAX_DRAFT  # noqa: F401 (re-exported: the drafters cap max_draft at it)
 from ..sampling import Sampling
@@ -292,6 +293,16 @@ RECONVERT = "Convert the head again with --target pointing at this model."
 SAME_WEIGHTS = "Use the weights of this very model: load the target from the folder that holds them."
 
 
+def check_draft_to_target(d2t: mx.array, where: str) -> None:
+    """A reduced draft vocabulary's table: one distinct target id >= 0 per draft token (the upper
+    bound is the target's, checked when the drafter is bound)."""
+    ids = np.array(d2t).reshape(-1)
+    if ids.size and (ids.min() < 0 or np.unique(ids).size < ids.size):
+        raise ValueError(f"{where}: draft_to_target must map each draft token to its own target token "
+                         f"(distinct ids >= 0), but it has {ids.size - np.unique(ids).size} repeated and "
+                         f"{int((ids < 0).sum())} negative; convert the head again from its checkpoint's d2t")
+
+
 def check_target(
     model,
     what: str,
@@ -325,7 +336,8 @@ def check_target(
             problems.append(f"converted for another target ({'; '.join(differ)})")
     if layers:
         n = layer_count(model)
-        bad = [t for t in layers if t not in (EMBED, FINAL_NORM) and not (isinstance(t, int) and 0 <= t < n)]
+        bad = list(dict.fromkeys(t for t in layers if t not in (EMBED, FINAL_NORM)
+                                 and not (isinstance(t, int) and 0 <= t < n)))
         if bad:
             problems.append(f"reads target layers {bad}, but the target has {n} decoder layers (0..{n - 1})")
     if hidden_size is not None:

@@ -60,15 +60,15 @@ _said_chains: list = []  # the chains-instead-of-trees note is given once a proc
 
 
 def tree_verifiable(model) -> bool:
-    """Whether the target's cache can verify a draft tree in one forward (plain KV layers).
-    When it cannot (recurrent or sliding-window layers) the block drafter drafts chains,
+    """Whether the target can verify a draft tree in one forward (`tree.tree_capable`). When it
+    cannot (recurrent or sliding-window layers, positions outside the ropes) the block drafter drafts chains,
     said once a process."""
-    if tree.tree_capable(make_cache(model)):
+    if tree.tree_capable(make_cache(model), model):
         return True
     if not _said_chains:
         _said_chains.append(True)
-        log.info("this target's cache (recurrent or sliding-window layers) cannot verify draft "
-                 "trees; the block drafter drafts chains instead of tree_budget trees")
+        log.info("this target cannot verify draft trees (recurrent or sliding-window layers, or "
+                 "positions its ropes do not alone place); the block drafter drafts chains instead")
     return False
 
 

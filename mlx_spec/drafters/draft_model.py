@@ -125,13 +125,13 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._head = short_head(self.model, self.head_vocab, min(v_t, v_d))
         self._pending, self._k, self._nodes = [], 0, {}
         self._index = NGramIndex(*LOOKUP_N)
-        self._grows = self.tree_budget is not None and tree.tree_capable(self.cache)
+        self._grows = self.tree_budget is not None and tree.tree_capable(self.cache, self.model)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
         # verified, by every drafter of the process with the same two models
         self.calibration = _CALIBRATIONS.setdefault(self.model, IdentityMap).setdefault(model, dynamic_tree.Calibration)
         if self.tree_budget is not None and not self._grows:
-            log.warning("tree_budget: this draft model's cache is not plain KV layers (sliding-window "
-                        "or recurrent), so it drafts chains instead of dynamic trees")
+            log.warning("tree_budget: this draft model cannot grow trees (its cache has sliding-window or "
+                        "recurrent layers, or its ropes do not alone place positions), so it drafts chains")
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""

@@ -63,7 +63,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..taps import decoder_stack, embedding
-from .base import MAX_DRAFT, SavesState, check_target, target_lm_head
+from .base import MAX_DRAFT, SavesState, check_draft_to_target, check_target, target_lm_head
 from .block_tree import tree_verifiable
 from .dflash import BlockConfig, BlockContext, DFlashNet, assign, read_weights
 from .dflash.drafter import block_inputs, check_block_target
@@ -152,6 +152,8 @@ def load(folder, config: dict, model, *, confidence_threshold: float | None = No
     if (d2t is None) != (spark.draft_vocab == spark.vocab_size):
         raise ValueError(f"DSpark head {folder}: a draft vocabulary of {spark.draft_vocab} tokens "
                          f"for a {spark.vocab_size}-token target needs draft_to_target, and only it")
+    if d2t is not None:
+        check_draft_to_target(d2t, f"DSpark head {folder}")
     return DSparkDrafter(net, cfg, spark, heads, config["mlx_spec"]["taps"],
                          confidence_threshold=confidence_threshold, cut=cut,
                          sample_drafts=sample_drafts, draft_to_target=d2t, tree_budget=tree_budget)

@@ -20,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...taps import EMBED, FINAL_NORM
+from ..base import check_draft_to_target
 from ..layers import quantize_like
 from .drafter import EagleDrafter
 from .heads import Eagle1Head, Eagle3Head
@@ -49,6 +50,8 @@ def load(folder, config: dict, model, tree_budget: int | None = None, tree_width
         raise ValueError(f"{folder}: the head drafts over {v_draft} of the target's {v_target} tokens but has no "
                          "draft_to_target table, so its token ids cannot be mapped; convert the head again "
                          "from a checkpoint that has d2t")
+    if d2t is not None:
+        check_draft_to_target(d2t, str(folder))
     head = HEADS[kind](config)
     quantize_like(head, weights, config)
     try:
