@@ -104,9 +104,12 @@ def overlapped(model, every: int | None = None):
     except ValueError:
         yield queued
         return
+    if isinstance(getattr(type(stack), "layers", None), property):  # e.g. GPT-2's view of `model.h`
+        yield queued
+        return
     kicked = _kicked(stack, layers, every, queued)
     stack.layers = kicked  # the instance's list, for this forward
     try:
-        yield queued if stack.layers is kicked else Queued()  # (a `layers` property: as it is)
+        yield queued
     finally:
         stack.layers = layers

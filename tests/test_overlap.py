@@ -53,6 +53,24 @@ def test_no_layer_list_runs_as_is():
     assert queued.at is None
 
 
+def test_a_layers_property_runs_as_is():
+    """GPT-2's `layers` is a read-only view of `model.h`: it decodes as it is (it used to fail at
+    every step, plain decoding included); no ropes, so draft trees are verified as chains."""
+    from mlx_lm.models import gpt2
+
+    from runs import mlx_lm_greedy
+
+    mx.random.seed(0)
+    model = gpt2.Model(gpt2.ModelArgs(model_type="gpt2", n_ctx=256, n_embd=64, n_head=4, n_layer=2,
+                                      n_positions=256, layer_norm_epsilon=1e-5, vocab_size=96))
+    mx.eval(model.parameters())
+    prompt = [5, 6, 7, 8, 9, 5, 6, 3, 5, 6, 2, 5, 6]
+    want = mlx_lm_greedy(model, prompt, 20)
+    for drafter in (None, mlx_spec.NGramDrafter(min_n=1, branches=3)):
+        out = list(mlx_spec.stream_generate(model, tokenizer(), prompt, drafter, max_tokens=20, num_draft_tokens=6))
+        assert [r.token for r in out] == want and out[-1].stats.tree_steps == 0
+
+
 def test_speculative_steps_queue_their_pieces(monkeypatch):
     """The verify forward (and a draft model's forwards) are queued in pieces, and the
     output is still plain decoding's."""
