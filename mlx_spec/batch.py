@@ -36,7 +36,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import batch_cache, batch_plain, tree, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
-from .distributed import shard_of
+from .distributed import agree_seed, shard_of
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
@@ -96,6 +96,8 @@ class BatchDecoder:
             drafter.bind(self.model, self.tokenizer)  # checks the pair and resets it
         uid = next(self._uids)
         row = Row(uid, self.model, self.tokenizer, req, drafter, cache, prompt_cache)
+        if req.seed is None and rng_seed is None and not req.sampling.greedy:
+            rng_seed = agree_seed(self.model)  # a sharded target: rank 0's, on every rank
         if req.seed is None and rng_seed is not None:
             row.seed = rng_seed
         row.claimed = [obj for obj, _ in claimed]

@@ -33,6 +33,7 @@ and the forward (`mlx_spec.watchdog`).
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -359,6 +360,16 @@ def agree_lengths(model, choices: list[tuple[int, float | None]]) -> list[tuple[
         return choices
     ks = broadcast_ints(shard.group, [k for k, _ in choices])
     return [(k, gain) for k, (_, gain) in zip(ks, choices)]
+
+
+def agree_seed(model) -> int | None:
+    """On a sharded target, a random seed drawn by rank 0, the same on every rank (ranks that
+    sampled with seeds of their own would each draw other tokens); None unsharded."""
+    shard = shard_of(model)
+    if shard is None:
+        return None
+    hi, lo = broadcast_ints(shard.group, [secrets.randbits(31), secrets.randbits(31)])
+    return hi << 31 | lo
 
 
 def agree_sources(model, drafters: list) -> None:

@@ -80,3 +80,33 @@ def test_ranks_left_to_choose_their_own_source_diverge(monkeypatch, synthetic_co
     """The check above can fail: without the agreement the ranks' drafts differ."""
     monkeypatch.setattr(distributed, "agree_sources", lambda model, drafters: None)
     assert run_two_ranks(monkeypatch, 60) >= 1
+
+
+def test_ranks_sampling_without_a_seed_draw_rank_0s_tokens(monkeypatch):
+    """A sampled request without `seed` draws its random stream at random: on a sharded target
+    every rank must draw rank 0's (each its own: tensor ranks mixed different tokens' partial
+    sums, pipeline ranks fell out of step)."""
+    sent, rank, told = collections.deque(), [0], []
+
+    def broadcast_ints(group, values):
+        if rank[0] == 0:
+            sent.append(list(values))
+            told.append(values)
+            return list(values)
+        return sent.popleft()
+
+    monkeypatch.setattr(distributed, "shard_of", lambda model: type("Shard", (), {"group": None}))
+    monkeypatch.setattr(distributed, "broadcast_ints", broadcast_ints)
+    monkeypatch.setattr(distributed, "agreed_curve", lambda model, local, measure: local or measure())
+    target = v8_successor_llama()
+    runs = {}
+    for r in (0, 1):
+        rank[0] = r
+        runs[r] = [[t.token for t in mlx_spec.stream_generate(target, tiny.tokenizer(vocab=8), PROMPT, drafter,
+                                                             max_tokens=12, temp=1.0, num_draft_tokens=3)]
+                   for drafter in (None, NGramDrafter())]
+    assert runs[0] == runs[1] and len(told) >= 2
+    # (greedy requests draw nothing: nothing is sent for them)
+    rank[0], before = 0, len(told)
+    list(mlx_spec.stream_generate(target, tiny.tokenizer(vocab=8), PROMPT, max_tokens=4))
+    assert len(told) == before
