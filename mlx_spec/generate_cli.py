@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt", default=None, help="system message for the chat template")
     p.add_argument("--prompt", "-p", default=DEFAULT_PROMPT,
                    help=f"the prompt text, or - to read stdin (default: {DEFAULT_PROMPT!r})")
+    # what `mlx-spec launch` passes each rank for --prompt -: the text it read from stdin, as it is
+    p.add_argument("--prompt-verbatim", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
                    help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS})")
     p.add_argument("--temp", type=float, default=0.0)
@@ -104,15 +106,21 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected True or False, got {value!r}")
 
 
+def prompt_text(args: argparse.Namespace) -> str:
+    """--prompt with mlx_lm.generate's \\n and \\t escapes, stdin's text for -, or launch's verbatim text."""
+    if args.prompt_verbatim is not None:
+        return args.prompt_verbatim
+    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    return sys.stdin.read() if prompt == "-" else prompt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.draft not in WITH_DRAFT_MODEL and args.draft_model is not None:
         print(f"error: --draft {args.draft} and --draft-model are alternatives (--draft ngram+model or "
               "--draft model go with --draft-model); give one", file=sys.stderr)
         return 2
-    prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")  # as mlx_lm.generate
-    prompt = sys.stdin.read() if prompt == "-" else prompt
     try:
-        return _generate(args, prompt)
+        return _generate(args, prompt_text(args))
     except ModelLoadError:
         raise  # reported by mlx_spec.cli, like every command's load failures
     except (ValueError, FileNotFoundError) as e:

@@ -73,19 +73,28 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(command))
         return 0
-    proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args.command = _read_stdin_prompt(args.command)
+    command = launch_command(args)
+    # The ranks run in a session of their own (so that they can be stopped as one group): when
+    # this process is told to end (Ctrl-C, SIGTERM, a closed terminal) it ends them first.
+    ending, proc = _raise_on((signal.SIGTERM, signal.SIGHUP)), None
     failed: list[tuple[int, int]] = []
-    reader = threading.Thread(target=_relay, args=(proc.stderr, failed), daemon=True)
-    reader.start()
     try:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        reader = threading.Thread(target=_relay, args=(proc.stderr, failed), daemon=True)
+        reader.start()
         rc = _wait(proc, args.timeout, failed)
         if rc is None:
             print(f"error: the ranks did not finish within {args.timeout:g} s; stopped all of them "
                   "(a rank that cannot connect or a lost peer can block the others)", file=sys.stderr)
             return 124
-    except KeyboardInterrupt:
-        stop(proc)
+    except BaseException:
+        if proc is not None:
+            stop(proc)
         raise
+    finally:
+        ending()
     reader.join(timeout=5)
     bad = [(r, c) for r, c in failed if c != 0]
     if bad:
@@ -95,6 +104,32 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: rank {rank} ended with {how}{others}", file=sys.stderr)
         return 1
     return rc
+
+
+def _read_stdin_prompt(command: list[str]) -> list[str]:
+    """generate's `--prompt -` read here, once, and given to every rank as it is (the ranks'
+    stdin is a pipe nobody writes to: they would wait on it for good)."""
+    out = list(command)
+    if "generate" not in out[:2]:  # (after an optional --)
+        return out
+    for i in range(len(out)):
+        joined = out[i] in ("--prompt=-", "-p=-")
+        if joined or (out[i] in ("--prompt", "-p") and out[i + 1:i + 2] == ["-"]):
+            out[i:i + (1 if joined else 2)] = ["--prompt-verbatim", sys.stdin.read()]
+            break
+    return out
+
+
+def _raise_on(signals) -> callable:
+    """Turn `signals` into SystemExit(128 + signal) in this (main) thread; returns the undo."""
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    try:
+        before = {sig: signal.signal(sig, handler) for sig in signals}
+    except ValueError:  # not the main thread: leave the handlers alone
+        return lambda: None
+    return lambda: [signal.signal(sig, old) for sig, old in before.items()]
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None, failed: list) -> int | None:

@@ -1,0 +1,65 @@
+"""`mlx-spec launch` itself, without models: what it hands the ranks, and that the ranks end
+with it. Processes are local, bounded by timeouts, and stop by themselves."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mlx_spec import generate_cli, launch
+
+
+@pytest.mark.parametrize("given", [["--prompt", "-"], ["-p", "-"], ["--prompt=-"]])
+def test_a_stdin_prompt_is_read_once_and_given_to_every_rank_as_it_is(monkeypatch, given):
+    """The ranks' stdin is a pipe nobody writes to (they waited on it for good); the text reaches
+    them untouched, its backslash sequences included (a --prompt's \\n would become a newline)."""
+    text = 'def f():\n    return "a\\nb"\n'
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    command = launch._read_stdin_prompt(["--", "generate", "--shard", "pipeline", *given, "-m", "8"])
+    assert command == ["--", "generate", "--shard", "pipeline", "--prompt-verbatim", text, "-m", "8"]
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    assert generate_cli.prompt_text(parser.parse_args(command[2:])) == text
+    assert generate_cli.prompt_text(parser.parse_args(["--prompt", "x\\ny"])) == "x\ny"  # as mlx_lm.generate
+    assert launch._read_stdin_prompt(["serve", "--shard", "pipeline", "--prompt", "-"])[-1] == "-"
+
+
+def _alive(pid: int) -> bool:
+    state = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True).stdout.strip()
+    return bool(state) and not state.startswith("Z")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_the_ranks_end_when_the_launch_is_told_to(sig):
+    """The ranks run in a session of their own: a launch ended by SIGTERM (a CI timeout, kill) or
+    SIGHUP (a closed terminal) ends them first, instead of leaving them running for good."""
+    script = textwrap.dedent(f"""
+        import argparse, sys
+        from mlx_spec import launch
+        rank = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+                "'import time; time.sleep(60)']); print(p.pid, flush=True); time.sleep(60)")
+        launch.launch_command = lambda args: [sys.executable, "-c", rank]
+        args = argparse.Namespace(command=["generate", "--shard", "pipeline"], dry_run=False, timeout=120)
+        sys.exit(launch.run(args))
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        rank = int(proc.stdout.readline())
+        assert _alive(rank)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig
+        deadline = time.monotonic() + 15
+        while _alive(rank) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(rank)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
