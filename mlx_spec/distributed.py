@@ -391,10 +391,14 @@ def agreed_curve(model, local: list[float] | None, measure) -> list[float] | Non
     shard = shard_of(model)
     if shard is None:
         return local if local is not None else measure()
-    have = mx.distributed.all_sum(mx.array(int(local is not None)), group=shard.group).item()
+    # A rank's own curve counts only when it has rank 0's length (another version's, say, does not).
+    first = broadcast_ints(shard.group, [-1 if local is None else len(local)])[0]
+    mine = local is not None and len(local) == first
+    have = mx.distributed.all_sum(mx.array(int(mine)), group=shard.group).item()
     times = local if have == shard.size else measure()
-    mine = mx.array(times if shard.rank == 0 else [0.0] * len(times), mx.float32)
-    return mx.distributed.all_sum(mine, group=shard.group).tolist()
+    n = broadcast_ints(shard.group, [len(times)])[0]  # rank 0's length: every rank sums n numbers
+    sent = mx.array(times if shard.rank == 0 else [0.0] * n, mx.float32)
+    return mx.distributed.all_sum(sent, group=shard.group).tolist()
 
 
 def barrier(group=None) -> None:

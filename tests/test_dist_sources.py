@@ -1,4 +1,5 @@
-"""On a sharded target every rank must verify the same draft. A mixed drafter's source for a
+"""On a sharded target every rank must verify the same draft (and draw the same random numbers,
+and use the same verify cost curve). A mixed drafter's source for a
 step (prompt lookup or the draft model, `MixedDrafter.only`) is weighed from each rank's own
 measured costs, so it is agreed like the draft length: rank 0's choice on every rank. Two
 ranks are simulated in one process (rank 0's broadcasts are replayed to rank 1), rank 1's
@@ -110,3 +111,50 @@ def test_ranks_sampling_without_a_seed_draw_rank_0s_tokens(monkeypatch):
     rank[0], before = 0, len(told)
     list(mlx_spec.stream_generate(target, tiny.tokenizer(vocab=8), PROMPT, max_tokens=4))
     assert len(told) == before
+
+
+def test_ranks_whose_cached_curves_differ_in_length_measure_one_together(monkeypatch):
+    """Each rank may hold its own cached verify cost curve; one of another length (another
+    version's) made the ranks sum arrays of different sizes (rank 0 got a wrong curve, rank 1
+    lost its connection). Two ranks in two threads, all_sum through a barrier."""
+    import threading
+    import types
+
+    import mlx.core as mx
+    import numpy as np
+
+    local, barrier, box = threading.local(), threading.Barrier(2, timeout=20), {}
+
+    def all_sum(x, group=None):
+        box[local.rank] = np.array(x)
+        barrier.wait()
+        total = box[0] + box[1]  # (arrays of different sizes fail here, as the real ring would)
+        barrier.wait()
+        return mx.array(total)
+
+    shim = types.SimpleNamespace(array=mx.array, float32=mx.float32, int32=mx.int32,
+                                 distributed=types.SimpleNamespace(all_sum=all_sum))
+    monkeypatch.setattr(distributed, "mx", shim)
+    monkeypatch.setattr(distributed, "shard_of", lambda model: local.shard)
+    measured = {0: [float(i) for i in range(17)], 1: [float(100 + i) for i in range(17)]}
+    out, errors = {}, []
+
+    def rank(r, cached):
+        group = types.SimpleNamespace(rank=lambda: r, size=lambda: 2)
+        local.rank, local.shard = r, types.SimpleNamespace(group=group, rank=r, size=2)
+        try:
+            out[r] = distributed.agreed_curve(None, cached, lambda: measured[r])
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+            barrier.abort()
+
+    for cached in ([[1.0] * 17, [2.0] * 25], [[1.0] * 17, [2.0] * 17]):
+        box.clear()
+        threads = [threading.Thread(target=rank, args=(r, c)) for r, c in enumerate(cached)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not errors, errors
+        want = measured[0] if len(cached[1]) != 17 else cached[0]  # measured anew / rank 0's own
+        assert np.allclose(out[0], want) and np.allclose(out[1], want)
