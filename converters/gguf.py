@@ -88,6 +88,10 @@ def convert(
     config["eos_token_id"] = eos_token_ids(md)
     if (bos := md.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = int(bos)
+    n_tokens = len(md.get("tokenizer.ggml.tokens", ())) or config["vocab_size"]
+    bad = [i for i in [config.get("bos_token_id"), *config["eos_token_id"]] if i is not None and not 0 <= i < n_tokens]
+    if bad:
+        raise GGUFError(f"{src}: its metadata names special token id(s) {bad} outside its {n_tokens}-token vocabulary")
 
     with _staging(out_dir, force) as tmp:
         try:
@@ -166,7 +170,10 @@ def _load_weights(reader: Any, arch: str, config: dict, dtype: str, log) -> dict
             w = dequantize(t.data, t.tensor_type).reshape(shape)
         except NotImplementedError as e:
             raise GGUFError(f"tensor {t.name}: {e}") from e
-        w = to_hf(t.name, w.astype(np.float32, copy=False), arch, config)
+        try:
+            w = to_hf(t.name, w.astype(np.float32, copy=False), arch, config)
+        except ValueError as e:  # a reshape the metadata's sizes do not fit
+            raise GGUFError(f"tensor {t.name} {shape} does not fit the file's metadata: {e}") from e
         arr = mx.array(w).astype(target)
         mx.eval(arr)  # materialize now, so the float32 copy is freed before the next tensor
         weights[name] = arr

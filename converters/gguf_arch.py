@@ -240,6 +240,17 @@ CONFIG_BUILDERS: dict[str, Callable[[dict, dict], dict]] = {
 }
 
 
+def _check_heads(config: dict, tensors: dict[str, tuple[int, ...]]) -> None:
+    """The metadata's head counts against the attention weights' rows (a file whose metadata
+    contradicts its tensors is refused here, not by a reshape deep in the conversion)."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for tensor, key in (("blk.0.attn_q.weight", "num_attention_heads"), ("blk.0.attn_k.weight", "num_key_value_heads")):
+        rows = tensors.get(tensor, (None,))[0]
+        if rows is not None and rows != config[key] * head_dim:
+            raise ArchError(f"the metadata gives {config[key]} heads of {head_dim} ({key}), {config[key] * head_dim} "
+                            f"rows, but {tensor} has {rows}: the file's metadata contradicts its tensors")
+
+
 def build_config(
     md: dict[str, Any], tensors: dict[str, tuple[int, ...]], rope_freqs: np.ndarray | None = None
 ) -> dict:
@@ -251,6 +262,7 @@ def build_config(
             f"supported: {', '.join(sorted(CONFIG_BUILDERS))}"
         )
     config = CONFIG_BUILDERS[arch](md, tensors)
+    _check_heads(config, tensors)
     if rope_freqs is not None:
         if arch != "llama" or "rope_scaling" in config:
             raise ArchError(f"a rope_freqs tensor in a {arch} file is not supported")

@@ -176,6 +176,25 @@ def test_corrupt_file_gives_clear_error_and_leaves_nothing(tmp_path, damage):
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("method, value, says", [
+    ("add_head_count", 3, r"metadata gives 3 heads of 16 \(num_attention_heads\), 48 rows, but "
+                          r"blk\.0\.attn_q\.weight has 64: the file's metadata contradicts its tensors"),
+    ("add_bos_token_id", 10**6, r"special token id\(s\) \[1000000\] outside its \d+-token vocabulary"),
+    ("add_eos_token_id", 10**6, r"special token id\(s\) \[1000000\] outside its \d+-token vocabulary"),
+])
+def test_metadata_that_contradicts_the_file_is_named_and_leaves_nothing(tmp_path, monkeypatch, method, value, says):
+    """(A wrong head count crashed in a reshape; an out-of-range token id went into config.json.)"""
+    import gguf
+
+    real = getattr(gguf.GGUFWriter, method)
+    monkeypatch.setattr(gguf.GGUFWriter, method, lambda self, _value: real(self, value))
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    monkeypatch.undo()
+    with pytest.raises(gg.GGUFError, match=says):
+        gg.convert(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+    assert _leftovers(tmp_path) == []
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(gg.GGUFError, match="no such file"):
         gg.convert(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
