@@ -15,6 +15,7 @@ This module imports nothing heavy at the top, since the CLI imports it to build 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -155,13 +156,22 @@ def fetch(
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / "models" / f"{name}-{dtype}"
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
-    _sweep(final, log)
     if not force and is_complete(final, spec):
+        _sweep(final, log)
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(final, log):  # one fetch of an entry at a time (others wait, then find it done)
+        _sweep(final, log)
+        if not force and is_complete(final, spec):
+            return final
+        return _fetch(spec, final, dtype, force, progress, log)
+
+
+def _fetch(spec: ModelSpec, final: Path, dtype: str, force: bool, progress: bool, log) -> Path:
+    name = spec.name
     if final.exists():
         why = "--force" if force else f"the cached copy is incomplete or damaged ({_damage(final)})"
         log(f"fetching {name} ({dtype}) again: {why}")
-    final.parent.mkdir(parents=True, exist_ok=True)
     # Everything happens in a hidden sibling (same filesystem, so the last step is a rename),
     # named after this process so that a later fetch can tell when it was killed.
     work = final.parent / f".{final.name}.partial-{_owner()}-{secrets.token_hex(4)}"
@@ -305,6 +315,26 @@ def _write_marker(folder: Path, spec: ModelSpec, dtype: str) -> None:
         "files": files,
     }
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+@contextlib.contextmanager
+def _exclusive(final: Path, log):
+    """Hold the entry's lock file (`.<entry>.lock` beside it) while inside."""
+    try:
+        import fcntl
+    except ImportError:  # no flock here: fetches of one entry are not serialised
+        yield
+        return
+    with open(final.parent / f".{final.name}.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"waiting for another process fetching {final.name}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _owner() -> str:

