@@ -88,6 +88,23 @@ def final_norm_name(stack) -> str | None:
     return next((n for n in ("norm", "norm_f") if hasattr(stack, n)), None)
 
 
+# mlx-lm models that multiply the token embedding by sqrt(hidden size) inside their forward, as
+# Hugging Face's scaled word embedding does: module -> the dtype the factor is rounded to first
+_INLINE_SCALE = {"mlx_lm.models.gemma": None, "mlx_lm.models.gemma2": None,
+                 "mlx_lm.models.gemma3_text": mx.bfloat16}
+
+
+def embedding_scale(stack) -> float:
+    """The factor the stack multiplies its token embedding by before the first layer: what
+    Hugging Face's `embed_tokens` returns, over the raw rows (Gemma's sqrt(H); 1 for most)."""
+    if hasattr(stack, "embed_scale"):  # (mlx-lm's Gemma 4 keeps it as an attribute)
+        return float(stack.embed_scale)
+    if type(stack).__module__ in _INLINE_SCALE:
+        factor, dtype = stack.args.hidden_size ** 0.5, _INLINE_SCALE[type(stack).__module__]
+        return float(mx.array(factor, dtype).item()) if dtype is not None else factor
+    return 1.0
+
+
 def embedding(stack) -> nn.Module:
     """The stack's token embedding: `embed_tokens` (most models), `embeddings` (Nemotron-H),
     without wrappers (a drafter's lookups are not target forwards)."""

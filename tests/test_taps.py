@@ -197,3 +197,19 @@ def test_no_taps_installed_unless_a_drafter_asks():
     prompt_taps, *step_taps = asking.received
     assert prompt_taps[1].shape == (3, 64) and prompt_taps[FINAL_NORM].shape == (3, 64)
     assert all(t[1].shape == (1, 64) for t in step_taps)  # k = 0 proposals: only y is kept
+
+
+def test_embedding_scale_is_what_the_first_layer_gets_over_the_raw_rows():
+    """Gemma 1-3 multiply by sqrt(H) inside their forward (Gemma 4 keeps it as `embed_scale`);
+    a DFlash block is embedded as Hugging Face's embed_tokens returns it, so with that factor."""
+    import tiny
+    from mlx_spec.taps import EMBED, Taps, decoder_stack, embedding, embedding_scale
+
+    for model, scaled in ((tiny.gemma3_model(), True), (tiny.llama_model(), False)):
+        stack = decoder_stack(model)
+        with Taps(model, [EMBED]) as taps:
+            model(mx.array([[5, 6, 7]]))
+            fed = taps.read()[EMBED]
+        raw = embedding(stack)(mx.array([[5, 6, 7]]))
+        assert mx.allclose(fed, raw * embedding_scale(stack), rtol=1e-5, atol=1e-6)
+        assert (embedding_scale(stack) > 1) == scaled

@@ -33,7 +33,7 @@ import mlx.nn as nn
 from mlx_lm.models import gemma4_text as g4
 
 from ..sampling import Sampling
-from ..taps import EMBED, FINAL_NORM, decoder_stack, embedding
+from ..taps import EMBED, FINAL_NORM, decoder_stack, embedding, embedding_scale
 from .base import MAX_DRAFT, Draft, SavesState, check_target, pick
 
 TYPES = ("sliding_attention", "full_attention")
@@ -133,7 +133,7 @@ class Gemma4AssistantDrafter(SavesState):
             raise ValueError(f"this Gemma 4 assistant reads the target's {missing} K/V, which this "
                              "target has no layer for")
         self._attn = {t: stack.layers[i] for t, i in self._src.items()}
-        self._embed, self._scale = embedding(stack), float(getattr(stack, "embed_scale", 1.0))
+        self._embed, self._scale = embedding(stack), embedding_scale(stack)
         self._window = args.sliding_window
         # the input of layer L is the output of layer L-1 (the scaled embedding for L = 0)
         self.taps = (FINAL_NORM, *(EMBED if i == 0 else i - 1 for i in self._src.values()))

@@ -40,7 +40,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ...sampling import Sampling
-from ...taps import decoder_stack, embedding
+from ...taps import decoder_stack, embedding, embedding_scale
 from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
 from ..block_tree import check_budget, propose_tree, tree_verifiable
 from .net import BlockConfig, BlockContext, DFlashNet
@@ -90,9 +90,9 @@ class DFlashDrafter(SavesState):
         check_block_target(model, self.cfg, self.taps, "this DFlash head")
         stack = decoder_stack(model)
         # The target's token embedding as Hugging Face's `embed_tokens` returns it: Gemma's is a
-        # scaled word embedding (x sqrt(H), mlx-lm keeps the factor as `embed_scale`); no
-        # embedding norm (Muse Glimmer applies one after its raw embedding: not used here).
-        self._embed, self._embed_scale = embedding(stack), float(getattr(stack, "embed_scale", 1.0))
+        # scaled word embedding (x sqrt(H)); no embedding norm (Muse Glimmer applies one after
+        # its raw embedding: not used here).
+        self._embed, self._embed_scale = embedding(stack), embedding_scale(stack)
         self._head = target_lm_head(model)
         self._trees = self.tree_budget is not None and tree_verifiable(model)
         self.context.reset()
