@@ -149,14 +149,14 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
     if frees is not None and len(data["frees"]) != len(frees):  # (older: both members merged)
         raise ValueError("not a source choice's")
     accept, seen = data["accept"], data["seen"]
-    if len(accept) != STATES or any(len(a) != policy.k_max for a in accept):
-        return  # another draft limit: start cold
+    if any(len(t) != STATES or any(len(row) != policy.k_max for row in t) for t in (accept, seen)):
+        raise ValueError("another draft limit, or damaged")  # start cold
     # Warm, but worth only a few observations, and never more pessimistic than a cold
     # start: another process's workload (chat) may differ from this one's (code edits),
     # and a policy that started parked would rarely look again within one request.
-    if not all(math.isfinite(float(a)) and 0 <= float(a) <= 1 for row in accept for a in row) or any(
-            int(n) < 0 for row in seen for n in row):
-        raise ValueError("acceptances outside 0..1 or negative counts")  # damaged: start cold
+    if not all(math.isfinite(float(a)) and 0 <= float(a) <= 1 for row in accept for a in row) or not all(
+            math.isfinite(float(n)) and float(n) >= 0 for row in seen for n in row):
+        raise ValueError("acceptances outside 0..1 or counts not finite and >= 0")  # damaged: start cold
     carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
     timed = data.get("timing") == TIMING_VERSION  # step times taken as this version takes them
     if timed:  # every value read and checked before any is set: a damaged file leaves a cold policy

@@ -33,6 +33,8 @@ def _policy() -> adaptive.AdaptiveK:
     dict(accept=[[float("nan")] * 4] * adaptive.STATES), dict(accept=[[50.0] * 4] * adaptive.STATES),
     dict(seen=[[-99] * 4] * adaptive.STATES), dict(scale="abc"), dict(scale=float("nan")),
     dict(shape=[1, 2]), dict(shape={"2": float("inf")}), dict(tree_shapes=[1]),
+    dict(seen=[[float("inf")] * 4] * adaptive.STATES), dict(seen=[[3] * 4]),  # (these crashed every
+    dict(seen=[[3] * 4] * (adaptive.STATES - 1) + [[3] * 2]), dict(accept=[[0.5] * 9] * adaptive.STATES),  # run)
 ])
 def test_a_damaged_policy_file_leaves_the_policy_cold(tmp_path, damage):
     warm = _policy()
