@@ -42,7 +42,7 @@ from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
 from .identity import Claims
 from .overlap import step_clock
-from .request import make_request, refuse_unsupported, resolve_drafter
+from .request import make_request, refuse_unsupported, resolve_drafter, whole
 from .rows import Response, Row, propose
 
 log = logging.getLogger("mlx_spec")
@@ -55,7 +55,7 @@ OPTIONS = {"max_tokens", "num_draft_tokens", "temp", "top_p", "top_k", "min_p", 
 
 class BatchDecoder:
     def __init__(self, model, tokenizer, max_batch: int = 8, prefill_chunk: int = PREFILL_CHUNK):
-        if not (isinstance(max_batch, int) and max_batch >= 1):
+        if not (whole(max_batch) and max_batch >= 1):
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if not isinstance(tokenizer, TokenizerWrapper):
             tokenizer = TokenizerWrapper(tokenizer)

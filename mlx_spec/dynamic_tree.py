@@ -32,6 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 from .drafters.base import Draft
+from .request import whole
 from .sampling import Sampling
 
 # step(tokens [w], slots, mask [w, W], shift) -> logits [w, V]: feed one depth's frontier,
@@ -45,15 +46,11 @@ def check_settings(tree_budget, tree_width) -> None:
     """A drafter's `tree_budget` / `tree_width` arguments, refused with a clear error."""
     from .cache import MAX_DRAFT
 
-    if tree_budget is not None and not (_whole(tree_budget) and 1 <= tree_budget <= MAX_DRAFT):
+    if tree_budget is not None and not (whole(tree_budget) and 1 <= tree_budget <= MAX_DRAFT):
         raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (nodes verified a step) "
                          f"or None (no dynamic tree), got {tree_budget!r}")
-    if not (_whole(tree_width) and 1 <= tree_width <= 8):
+    if not (whole(tree_width) and 1 <= tree_width <= 8):
         raise ValueError(f"tree_width must be an integer in 1..8, got {tree_width!r}")
-
-
-def _whole(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # (True is an int to Python)
 
 
 def scores(logits: mx.array, sampling: Sampling) -> mx.array:

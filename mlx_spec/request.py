@@ -91,17 +91,17 @@ def make_request(model, tokenizer, prompt, *, max_tokens=256, num_draft_tokens="
     if bad:
         raise ValueError(f"prompt token id(s) {bad[:3]} are outside the model's vocabulary "
                          f"(0..{vocab_size(model) - 1})")
-    if not isinstance(max_tokens, int) or max_tokens == 0 or max_tokens < -1:
+    if not whole(max_tokens) or max_tokens == 0 or max_tokens < -1:
         raise ValueError(f"max_tokens must be an integer >= 1, or -1 for no limit; got {max_tokens!r}")
     check_num_draft(num_draft_tokens)
     for name, value, low in (("prefill_step_size", prefill_step_size, 1),
                              ("max_kv_size", max_kv_size, 8), ("kv_group_size", kv_group_size, 1),
                              ("quantized_kv_start", quantized_kv_start, 0)):
-        if value is not None and not (isinstance(value, int) and value >= low):
+        if value is not None and not (whole(value) and value >= low):
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-    if kv_bits is not None and kv_bits not in (2, 3, 4, 5, 6, 8):
+    if kv_bits is not None and (not whole(kv_bits) or kv_bits not in (2, 3, 4, 5, 6, 8)):
         raise ValueError(f"kv_bits must be one of 2, 3, 4, 5, 6, 8 (or None), got {kv_bits!r}")
-    if seed is not None and not isinstance(seed, int):
+    if seed is not None and not whole(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     processors = tuple(logits_processors or ())
     if not all(callable(p) for p in processors):
@@ -135,10 +135,15 @@ def encode(tokenizer, prompt) -> list[int]:
     return ids
 
 
+def whole(value) -> bool:
+    """An integer argument, not a bool (True is an int to Python)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_num_draft(num_draft_tokens) -> None:
     if num_draft_tokens == "auto":
         return
-    if not (isinstance(num_draft_tokens, int) and 1 <= num_draft_tokens <= MAX_DRAFT):
+    if not (whole(num_draft_tokens) and 1 <= num_draft_tokens <= MAX_DRAFT):
         raise ValueError(
             f'num_draft_tokens must be "auto" or an integer in 1..{MAX_DRAFT}, '
             f"got {num_draft_tokens!r}"

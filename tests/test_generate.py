@@ -155,7 +155,10 @@ def test_bad_input_is_refused_before_any_work():
         gen(prompt="")
     with pytest.raises(ValueError, match="max_tokens"):
         gen(max_tokens=0)
-    for k in (0, 17, 2.5):
+    for bad in ("max_tokens", "seed", "kv_bits", "prefill_step_size"):  # True is an int to Python
+        with pytest.raises(ValueError, match=bad):
+            gen(**{bad: True})
+    for k in (0, 17, 2.5, True):
         with pytest.raises(ValueError, match="num_draft_tokens"):
             gen(drafter=NGramDrafter(), num_draft_tokens=k)
     with pytest.raises(ValueError, match="vocabulary mismatch"):

@@ -76,9 +76,11 @@ def test_index_is_incremental_and_bounded_per_token():
     assert idx.ends[(2, 3, 4)][-1] == len(idx.tokens) - 1
 
 
-@pytest.mark.parametrize("kw", [dict(min_n=0), dict(min_n=3, max_n=2)])
+@pytest.mark.parametrize("kw", [dict(min_n=0), dict(min_n=3, max_n=2), dict(min_n=True), dict(min_n=1.5),
+                                dict(max_n=4.0), dict(min_n="2"), dict(branches=True)])
 def test_bad_n_is_refused(kw):
-    with pytest.raises(ValueError):
+    """(A float min_n or max_n failed only later, inside the first prefill.)"""
+    with pytest.raises(ValueError, match="min_n <= max_n" if "branches" not in kw else "branches"):
         NGramDrafter(**kw)
 
 

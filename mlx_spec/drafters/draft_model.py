@@ -52,6 +52,7 @@ from ..cache import Checkpoint, make_cache
 from ..calibration import spent_once
 from ..identity import IdentityMap
 from ..overlap import overlapped
+from ..request import whole
 from ..sampling import Sampling
 from .base import MAX_DRAFT, PREFILL_CHUNK, Draft, PlansTrees, SavesState, chain, confidence, vocab_size
 from .ngram import NGramIndex
@@ -84,7 +85,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
                                                and not isinstance(min_confidence, bool) and 0 < min_confidence <= 1):
             raise ValueError(f"min_confidence must be a probability in (0, 1] (a chain ends after a token "
                              f"drafted with less) or None (chains as long as asked), got {min_confidence!r}")
-        if not (isinstance(branches, int) and 1 <= branches <= 4):
+        if not (whole(branches) and 1 <= branches <= 4):
             raise ValueError(f"branches must be an integer in 1..4, got {branches!r}")
         dynamic_tree.check_settings(tree_budget, tree_width)
         if tree_budget is not None and branches != 1:

@@ -19,6 +19,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from .. import tree
+from ..request import whole
 from ..sampling import Sampling
 from .base import EMPTY, MAX_DRAFT, Draft, SavesState
 
@@ -102,9 +103,9 @@ class NGramDrafter(SavesState):
         corpus: str | Path | Sequence[int] | None = None,
         branches: int = 1,
     ):
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
-        if not (isinstance(branches, int) and 1 <= branches <= NGramIndex.KEEP):
+        if not (whole(min_n) and whole(max_n) and 1 <= min_n <= max_n):
+            raise ValueError(f"need integers 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
+        if not (whole(branches) and 1 <= branches <= NGramIndex.KEEP):
             raise ValueError(f"branches must be an integer in 1..{NGramIndex.KEEP}, got {branches!r}")
         self.min_n, self.max_n, self.branches = min_n, max_n, branches
         self.corpus = corpus

@@ -20,6 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafters.base import check_target, target_output_rows, vocab_size
+from ..request import whole
 from ..taps import EMBED, decoder_stack, final_norm_name
 from . import data as D
 from .evaluate import evaluate, summary
@@ -61,17 +62,17 @@ def check_numbers(*, samples, eval_prompts, max_length, epochs, steps, lr, ttt_s
     at_least_1 = {"--samples": samples, "--eval-prompts": eval_prompts, "--ttt-steps": ttt_steps,
                   "--checkpoint-every": checkpoint_every, "--log-every": log_every, "--eval-tokens": eval_tokens}
     for flag, value in at_least_1.items():
-        if not (isinstance(value, int) and value >= 1):
+        if not (whole(value) and value >= 1):
             raise ValueError(f"{flag} must be a whole number >= 1, got {value!r}")
-    if not (isinstance(max_length, int) and max_length >= 16):
+    if not (whole(max_length) and max_length >= 16):
         raise ValueError(f"--max-length must be at least 16 tokens, got {max_length!r}")
-    if steps is not None and not (isinstance(steps, int) and steps >= 1):
+    if steps is not None and not (whole(steps) and steps >= 1):
         raise ValueError(f"--steps must be a whole number >= 1 (or left out: --epochs decides), got {steps!r}")
     if not epochs > 0:
         raise ValueError(f"--epochs must be more than 0, got {epochs!r}")
     if not lr > 0:
         raise ValueError(f"--lr must be more than 0, got {lr!r}")
-    if not (isinstance(eval_k, int) and 1 <= eval_k <= MAX_DRAFT):
+    if not (whole(eval_k) and 1 <= eval_k <= MAX_DRAFT):
         raise ValueError(f"--eval-k must be a draft length 1..{MAX_DRAFT}, got {eval_k!r}")
 
 
