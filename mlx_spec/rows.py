@@ -137,7 +137,7 @@ class Row:
         # past it, kept or not, were never needed; the trace keeps every verified draft)
         shown = sum(r.from_draft for r in out)
         ended = bool(out) and out[-1].from_draft and out[-1].finish_reason is not None
-        self.stats.observe(v.proposed, shown, self.req.trace, k, gain, shown if ended else v.size)
+        self.stats.observe(v.proposed, shown, self.req.trace, k, gain, shown if ended else v.size, not ended)
         self.stats.sync_seconds = self.sync_seconds
         self.steps += 1
         return out

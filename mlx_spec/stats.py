@@ -36,12 +36,15 @@ class SpecStats:
     trace: list[StepTrace] | None = None
     _pos_drafted: list[int] = field(default_factory=list, repr=False)
     _pos_accepted: list[int] = field(default_factory=list, repr=False)
+    _no_bonus: int = field(default=0, repr=False)  # steps that ended at a kept draft (an EOS): no bonus token
 
     def observe(self, proposed: list[int], n: int, keep_trace: bool, chosen: int = 0,
-                gain: float | None = None, size: int | None = None) -> None:
+                gain: float | None = None, size: int | None = None, bonus: bool = True) -> None:
         """One verify step: `chosen` tokens asked for, `size` drafted and verified (default:
-        `len(proposed)`), `proposed` examined (a confidence cut may examine fewer), n kept."""
+        `len(proposed)`), `proposed` examined (a confidence cut may examine fewer), n kept, and
+        whether the target's own token followed them (not when the last kept draft was an EOS)."""
         self.chosen_k.append(chosen)
+        self._no_bonus += not bonus
         k = len(proposed) if size is None else size
         self.target_forwards += 1
         self.drafted += k
@@ -64,9 +67,9 @@ class SpecStats:
 
     @property
     def tau(self) -> float:
-        """Tokens emitted per verify forward: mean(n + 1)."""
+        """Tokens emitted per verify forward: mean(n + 1), or n at a step ended by a drafted EOS."""
         f = self.target_forwards
-        return (self.accepted + f) / f if f else 0.0
+        return (self.accepted + f - self._no_bonus) / f if f else 0.0
 
     @property
     def host_overhead(self) -> float:

@@ -192,6 +192,9 @@ def test_stats_count_the_drafts_the_caller_got_when_eos_cuts_a_block():
     s = out[-1].stats
     assert out[-1].finish_reason == "stop" and s.acceptance_rate == 1.0  # a self-draft: every draft kept
     assert s.accepted == sum(r.from_draft for r in out) == sum(s.accepted_at_position) == s.drafted
+    # tau counts the tokens of each verify step: the first came from the prefill, and the last
+    # step, ended by its drafted EOS, has no bonus token after it
+    assert s.tau * s.target_forwards == pytest.approx(len(out) - 1)
 
 
 def test_the_prompt_clock_starts_at_the_first_read_as_mlx_lms():
