@@ -70,10 +70,25 @@ def test_index_is_incremental_and_bounded_per_token():
     size = len(idx.ends)
     idx.extend([4])
     assert len(idx.ends) - size <= 3  # one entry per n at most
-    assert idx.ends[(2, 3, 4)] == [3]
+    assert idx.ends[(2, 3, 4)] == (3,)
     idx.extend([2, 3, 4] * (NGramIndex.KEEP + 2))
     assert len(idx.ends[(2, 3, 4)]) == NGramIndex.KEEP  # only the latest ends are kept
     assert idx.ends[(2, 3, 4)][-1] == len(idx.tokens) - 1
+
+
+def test_a_saved_index_is_apart_from_the_live_one():
+    """Saved drafter states copy the index cheaply (its end tuples are shared, never changed in
+    place): extending the live index leaves a saved copy as it was, and the other way round."""
+    import copy
+
+    idx = NGramIndex(1, 3)
+    idx.extend([1, 2, 3, 1, 2])
+    saved = copy.deepcopy(idx)
+    idx.extend([3, 1, 2, 4])
+    assert saved.tokens == [1, 2, 3, 1, 2] and saved.ends[(1, 2)] == (1, 4)
+    assert idx.ends[(1, 2)] == (1, 4, 7) and (2, 4) not in saved.ends
+    saved.extend([9])
+    assert (2, 9) in saved.ends and (2, 9) not in idx.ends and len(idx.tokens) == 9
 
 
 @pytest.mark.parametrize("kw", [dict(min_n=0), dict(min_n=3, max_n=2), dict(min_n=True), dict(min_n=1.5),

@@ -13,6 +13,7 @@ when the context has no match.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Sequence
 
@@ -34,18 +35,23 @@ class NGramIndex:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.ends: dict[tuple[int, ...], tuple[int, ...]] = {}  # (replaced, never changed in place)
         self.matched = 0  # the last lookup's first match: tokens it shares with the context
+
+    def __deepcopy__(self, memo) -> "NGramIndex":
+        """A copy for a saved drafter state: keys and end tuples are immutable, so shared (a
+        generic deep copy walks every tuple: 0.6 s for a 50k-token context, 13 s at max_n 32)."""
+        new = copy.copy(self)
+        new.tokens, new.ends = list(self.tokens), dict(self.ends)
+        return new
 
     def extend(self, tokens: Sequence[int]) -> None:
         for t in tokens:
             self.tokens.append(int(t))
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                seen = self.ends.setdefault(tuple(self.tokens[end - n :]), [])
-                seen.append(end - 1)
-                if len(seen) > self.KEEP:
-                    del seen[0]
+                key = tuple(self.tokens[end - n :])
+                self.ends[key] = (*self.ends.get(key, ()), end - 1)[-self.KEEP :]
 
     def lookup(self, context: list[int], y: int, k: int, branches: int = 1) -> list[list[int]]:
         """Up to `branches` continuations (most recent match first, distinct) of the longest
