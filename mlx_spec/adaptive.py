@@ -222,6 +222,7 @@ class AdaptiveK:
         if self.timed:
             self.seen = [[min(n, LOADED_WEIGHT) for n in row] for row in self.seen]
             self.parked, self.probe_every = 0, PROBE_FIRST
+        self.state, self.kept_all = 0, False  # the last request's last step says nothing about this one's first
 
     def curious(self, k: int) -> bool:
         """Whether this step, whose best length is k, drafts k + 1 instead (see CURIOUS)."""

@@ -347,6 +347,9 @@ def draft_lengths(model, row: Row, recurrent: bool):
                             seeded=req.repeatable)
         policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
         policy.start_request()
+        costs = _BATCH.get(model)  # a parked batch probes soon for a new request, as one alone does
+        if costs is not None:
+            costs.parked, costs.probe_every = 0, PROBE_FIRST
         if hasattr(policy, "serve"):  # `SourceChoice`: it looks up this row's free draft
             policy.serve(row)
         return policy

@@ -570,3 +570,13 @@ def test_rates_are_the_pairwise_long_run_rates(seed):
     for state in (0, 1):
         policy.state = state
         np.testing.assert_allclose(policy.rates(), _rates_by_pairs(policy), rtol=1e-12)
+
+
+def test_a_new_request_starts_from_the_first_steps_state():
+    """The last request's last step (all kept: look one deeper) says nothing about the next
+    request's first; it used to carry over."""
+    policy = AdaptiveK(linear_costs(0.02), k_max=16)
+    policy.observe(4, 4)
+    assert policy.state == 1 and policy.kept_all
+    policy.start_request()
+    assert policy.state == 0 and not policy.kept_all

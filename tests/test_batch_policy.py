@@ -307,3 +307,15 @@ def test_a_sampled_draft_is_weighed_at_the_length_it_was_asked_for(synthetic_cos
         assert ended == [ran[0], min(ran[1], 2)]
         depends += keep(2, False)[0] != keep(8, False)[0]
     assert depends >= 5
+
+
+def test_a_new_request_makes_a_parked_batch_probe_soon():
+    """As a lone request's policy does (`AdaptiveK.start_request`): the batch's probe schedule,
+    grown while earlier rows never kept a draft, starts over when a request starts."""
+    model = tiny.llama_model(seed=5)
+    costs = batch_policy._costs(model)
+    costs.parked, costs.probe_every = 20, batch_policy.PROBE_MAX
+    decoder = BatchDecoder(model, tiny.tokenizer(), max_batch=2)
+    decoder.add(PROMPTS[0], mlx_spec.NGramDrafter(), max_tokens=4)
+    decoder.step()  # the prompt read; the row starts decoding
+    assert (costs.parked, costs.probe_every) == (0, batch_policy.PROBE_FIRST)
