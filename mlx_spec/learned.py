@@ -23,7 +23,8 @@ from .drafters import short_head
 from .drafters.draft_model import MIN_CONFIDENCE
 from .identity import IdentityMap
 
-_POLICIES = IdentityMap()  # drafter -> {(model_key, k_max, replays, sampling): AdaptiveK}
+_POLICIES = IdentityMap()  # drafter -> {(model_key, weights_key, k_max, replays, sampling): AdaptiveK}
+_WEIGHTS = IdentityMap()  # model -> [weights_key]
 
 
 def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
@@ -49,7 +50,7 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
     if seeded:
         return fresh()
     known = _POLICIES.setdefault(drafter, dict)
-    key = (model_key(model), k_max, replays, sampling)
+    key = (model_key(model), weights_key(model), k_max, replays, sampling)
     if recalibrate or key not in known:
         origin = getattr(drafter, "forked_from", lambda: None)()  # a fork starts warm, on its own copy
         learned = _POLICIES.get(origin, {}).get(key) if origin is not None else None
@@ -69,8 +70,16 @@ def policy_file(model, drafter, sampling) -> Path:
     parent = getattr(drafter, "forked_from", lambda: None)() or drafter
     kind = type(parent).__name__
     draft_model = getattr(parent, "model", None)
-    if draft_model is not None:
-        kind += "-" + model_key(draft_model)
+    if draft_model is not None:  # (another draft model's weights draft otherwise)
+        kind += f"-{model_key(draft_model)}-{weights_key(draft_model)}"
+    if hasattr(parent, "min_n"):  # prompt lookup: its n-gram sizes, branches and corpus
+        from .drafters.ngram import NGramDrafter
+
+        default = NGramDrafter()
+        tag = [f"n{parent.min_n}-{parent.max_n}" if (parent.min_n, parent.max_n) != (default.min_n, default.max_n)
+               else "", f"b{parent.branches}" if parent.branches != 1 else "",
+               "c" + hashlib.sha256(repr(parent.corpus).encode()).hexdigest()[:6] if parent.corpus is not None else ""]
+        kind += "".join(f"-{t}" for t in tag if t)
     if getattr(parent, "tree_budget", None) is not None:  # trees learn apart from the same kind's chains
         kind += f"-tree{parent.tree_budget}"
     if getattr(parent, "lookup", True) is False:  # unguided chains draft at another cost
@@ -91,14 +100,17 @@ def policy_dir() -> Path:
 
 def weights_key(model) -> str:
     """A fingerprint of the weights themselves (acceptance depends on them, unlike costs):
-    a few values from the middle of every parameter tensor, read in one evaluation."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
+    a few values from the middle of every parameter tensor, read in one evaluation, once a model."""
+    def make() -> list[str]:
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
 
-    flat = [v.reshape(-1) for _, v in tree_flatten(model.parameters())]
-    parts = [v[v.size // 2 : v.size // 2 + 4].astype(mx.float32) for v in flat if v.size]
-    probe = mx.concatenate(parts).tolist() if parts else []
-    return hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:8]
+        flat = [v.reshape(-1) for _, v in tree_flatten(model.parameters())]
+        parts = [v[v.size // 2 : v.size // 2 + 4].astype(mx.float32) for v in flat if v.size]
+        probe = mx.concatenate(parts).tolist() if parts else []
+        return [hashlib.sha256(json.dumps(probe).encode()).hexdigest()[:8]]
+
+    return _WEIGHTS.setdefault(model, make)[0]
 
 
 LEARNED = ("accept", "seen", "scale", "shape")

@@ -486,7 +486,7 @@ def test_a_new_process_starts_from_what_the_last_one_learned(monkeypatch):
     model = v8_successor_llama()  # continues the prompt's pattern: prompt lookup is accepted
     first = mlx_spec.NGramDrafter(min_n=1, max_n=2)
     list(mlx_spec.stream_generate(model, tiny.tokenizer(), SUCCESSOR_PROMPT, first, max_tokens=120))
-    files = list(learned.policy_dir().glob("*NGramDrafter-greedy.json"))
+    files = list(learned.policy_dir().glob("*NGramDrafter-n1-2-greedy.json"))  # (its n-gram sizes in the name)
     assert len(files) == 1
     (kept,) = learned._POLICIES.get(first).values()
     later = mlx_spec.NGramDrafter(min_n=1, max_n=2)  # another object, as in a new process

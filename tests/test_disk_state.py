@@ -94,3 +94,21 @@ def test_a_run_starts_from_a_damaged_cache_as_from_none(tmp_path, monkeypatch):
     assert mlx_spec.generate(model, tiny.tokenizer(), prompt, mlx_spec.NGramDrafter(), max_tokens=12) == want
     for f in (tmp_path / "calibration" / "policies").glob("*.json"):
         assert "NaN" not in f.read_text()
+
+
+def test_policies_are_kept_apart_for_other_lookups_draft_weights_and_targets():
+    """What a policy learned depends on the drafter's settings and on the weights of both models:
+    n-gram sizes, branches, a corpus, and another draft model of the same shape each learn apart,
+    in a file of their own and in the process (target weights included)."""
+    from mlx_spec import DraftModelDrafter, NGramDrafter, Sampling
+
+    target, greedy = tiny.llama_model(), Sampling()
+    files = {learned.policy_file(target, d, greedy).name for d in (
+        NGramDrafter(), NGramDrafter(min_n=1, max_n=8), NGramDrafter(branches=3), NGramDrafter(corpus=[1, 2, 3]),
+        DraftModelDrafter(tiny.llama_model(seed=11)), DraftModelDrafter(tiny.llama_model(seed=12)))}
+    assert len(files) == 6, files
+    assert learned.policy_file(target, NGramDrafter(), greedy) == learned.policy_file(target, NGramDrafter(), greedy)
+    drafter = NGramDrafter()
+    one = learned.policy_for(target, drafter, 4, sampling=greedy)
+    other = learned.policy_for(tiny.llama_model(seed=3), drafter, 4, sampling=greedy)  # same shape, other weights
+    assert one is not other and learned.policy_for(target, drafter, 4, sampling=greedy) is one
