@@ -106,8 +106,11 @@ def test_a_step_where_draft_models_read_their_prompts_is_timed_without_the_reads
     before = calibration.one_time_seconds()
     out, widths = drain(decoder)
     assert max(widths) == 2 and all(decoder.last_stats[u].drafted > 0 for u in uids)  # both read
-    assert seen and max(seen) < 0.3
-    assert calibration.one_time_seconds() - before >= 0.8
+    reads = calibration.one_time_seconds() - before
+    assert reads >= 0.8
+    # timed with the reads, a step would take both (>= 0.8 s); its own work is ~0.02 s here (a
+    # bound of 0.3 s once failed on a machine loaded by other jobs)
+    assert seen and max(seen) < 0.75 * reads
     assert all(out[u] == reference(target, PROMPT, 60) for u in uids)
 
 
