@@ -66,10 +66,15 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def step_tokens(self) -> int:
+        """Tokens the verify steps emitted: n + 1 a step, n at a step ended by a drafted EOS."""
+        return self.accepted + self.target_forwards - self._no_bonus
+
+    @property
     def tau(self) -> float:
-        """Tokens emitted per verify forward: mean(n + 1), or n at a step ended by a drafted EOS."""
+        """Tokens emitted per verify forward (`step_tokens` over the forwards)."""
         f = self.target_forwards
-        return (self.accepted + f - self._no_bonus) / f if f else 0.0
+        return self.step_tokens / f if f else 0.0
 
     @property
     def host_overhead(self) -> float:

@@ -256,13 +256,24 @@ def test_steps_rebuilt_from_mlx_lm_flags():
     assert acc["pos_drafted"] == [4, 3, 3] and acc["pos_accepted"] == [3, 2, 1]
 
 
+def test_tau_counts_no_target_token_after_a_block_cut_at_a_drafted_eos():
+    """mlx-lm, k = 3: [T T F] then a block whose second draft was the EOS: [T T] and no token of
+    the target's after it. 5 tokens in 2 verify steps: tau 2.5 (3.0 counted the missing one)."""
+    R = dataclasses.make_dataclass("R", ["token", "from_draft"])
+    flags = [True, True, False, True, True]
+    m = methods.Method("m", "", lambda ctx, ids, k, max_tokens, seed: (R(i, f) for i, f in enumerate(flags)))
+    rec = harness.run_once(methods.Variant(m, 3), None, [1, 2], 9, None)
+    assert (rec["step_tokens"], rec["forwards"], rec["accepted"]) == (5, 2, 4)
+    assert summary._pool([rec], [1.0], [1.0])["tau"] == pytest.approx(2.5)
+
+
 def test_decode_clock_starts_where_each_engine_ends_its_first_verify(monkeypatch):
     """mlx-lm yields the prompt's token with its first verified block; mlx-spec yields it
     first, alone. Both are timed from the end of their first verify, not from the first token."""
     now = [0.0]
     monkeypatch.setattr(harness.time, "perf_counter", lambda: now[0])
     R = dataclasses.make_dataclass("R", ["token", "from_draft", "stats"])
-    traced = type("S", (), {"trace": []})()
+    traced = type("S", (), {"trace": [], "step_tokens": 0})()
 
     def stream_of(events, stats):  # (seconds before this token, drafted?)
         def stream(ctx, ids, k, max_tokens, seed):

@@ -76,10 +76,13 @@ def run_once(variant: Variant, ctx: Context, ids: list[int], max_tokens: int,
     stats = getattr(last, "stats", None)
     if stats is not None and stats.trace is not None:  # mlx-spec: the loop's own record
         steps = [(len(s.proposed), s.accepted) for s in stats.trace]
+        emitted = stats.step_tokens  # (a block cut at a drafted EOS: its kept drafts, no bonus)
     elif isinstance(variant.k, int):  # mlx-lm speculative
         steps = steps_from_flags(flags, variant.k, max_tokens)
+        emitted = sum(a + 1 for _, a in steps) - (1 if flags and flags[-1] else 0)  # (a block cut short)
     else:  # plain decoding: one forward per token after the prefill
         steps = [(0, 0)] * max(len(tokens) - 1, 0)
+        emitted = len(steps)
     # Decode speed is timed from the end of the first verify, which every speculative method
     # has: mlx-lm yields the prompt's own token with its first verified block, whose end is the
     # first token the target chose itself; mlx-spec yields it as soon as the prompt is read, so
@@ -101,6 +104,7 @@ def run_once(variant: Variant, ctx: Context, ids: list[int], max_tokens: int,
         "cpu_s": cpu,
         "from_draft": sum(flags),
         "tokens": tokens,
+        "step_tokens": emitted,  # tokens the verify steps emitted: tau is this over the forwards
         **acceptance(steps),
     }
 

@@ -89,7 +89,7 @@ def _pool(rows: list[dict], speedups: list[float], whole: list[float]) -> dict:
         "decode_tps_spread": spread([r["decode_tps"] for r in rows]),
         "speedup": median(speedups),
         "speedup_spread": spread(speedups),
-        "tau": ratio(accepted + forwards, forwards),
+        "tau": ratio(sum(r.get("step_tokens", r["accepted"] + r["forwards"]) for r in rows), forwards),
         "acceptance_rate": ratio(accepted, drafted),
         "accepted_per_position": [a / d for a, d in zip(pos_a, pos_d)],
         "prompt_tps": median([r["prompt_tps"] for r in rows]),

@@ -33,7 +33,7 @@ def evaluate(model, tokenizer, drafter, prompts: list[list[dict]], k: int = 4, m
     _run(model, tokenizer, encoded[0], drafter, k, 8)  # warm-up
     _run(model, tokenizer, encoded[0], None, k, 8)
     plain_t = spec_t = 0.0
-    plain_n = spec_n = forwards = accepted = 0
+    plain_n = spec_n = forwards = emitted = 0
     drafted_at: list[int] = []
     accepted_at: list[int] = []
     identical = True
@@ -44,20 +44,20 @@ def evaluate(model, tokenizer, drafter, prompts: list[list[dict]], k: int = 4, m
         plain_t, plain_n = plain_t + dt_plain, plain_n + len(base)
         spec_t, spec_n = spec_t + dt_spec, spec_n + len(toks)
         if st is not None:
-            forwards, accepted = forwards + st.target_forwards, accepted + st.accepted
+            forwards, emitted = forwards + st.target_forwards, emitted + st.step_tokens
             d, a = st.drafted_at_position, st.accepted_at_position
             drafted_at += [0] * (len(d) - len(drafted_at))
             accepted_at += [0] * (len(a) - len(accepted_at))
             for j, (x, y) in enumerate(zip(d, a)):
                 drafted_at[j] += x
                 accepted_at[j] += y
-        log(f"eval {i + 1}/{len(encoded)}: tau so far {(accepted + forwards) / max(1, forwards):.2f}")
+        log(f"eval {i + 1}/{len(encoded)}: tau so far {emitted / max(1, forwards):.2f}")
     plain_tps, spec_tps = plain_n / plain_t, spec_n / spec_t
     return {
         "k": k,
         "prompts": len(encoded),
         "max_tokens": max_tokens,
-        "tau": (accepted + forwards) / forwards if forwards else 0.0,
+        "tau": emitted / forwards if forwards else 0.0,
         "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at)],
         "plain_tokens_per_second": plain_tps,
         "spec_tokens_per_second": spec_tps,
