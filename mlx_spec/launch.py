@@ -26,6 +26,7 @@ import time
 
 RUNNABLE = ("generate", "bench", "serve")  # commands that know --shard
 GRACE = 10.0  # seconds the other ranks get to end after one failed
+MAX_ARG = 100_000  # bytes of one command-line argument (Linux refuses one over 128 KiB)
 FAILED = re.compile(r"Node with rank (\d+) exited with code (-?\d+)")
 
 
@@ -73,7 +74,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(" ".join(command))
         return 0
-    args.command = _read_stdin_prompt(args.command)
+    try:
+        args.command = _read_stdin_prompt(args.command)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     command = launch_command(args)
     # The ranks run in a session of their own (so that they can be stopped as one group): when
     # this process is told to end (Ctrl-C, SIGTERM, a closed terminal) it ends them first.
@@ -113,9 +118,13 @@ def _read_stdin_prompt(command: list[str]) -> list[str]:
     if "generate" not in out[:2]:  # (after an optional --)
         return out
     for i in range(len(out)):
-        joined = out[i] in ("--prompt=-", "-p=-")
+        joined = out[i] in ("--prompt=-", "-p=-", "-p-")
         if joined or (out[i] in ("--prompt", "-p") and out[i + 1:i + 2] == ["-"]):
-            out[i:i + (1 if joined else 2)] = ["--prompt-verbatim", sys.stdin.read()]
+            text = sys.stdin.read()
+            if len(text.encode()) > MAX_ARG:
+                raise ValueError(f"the prompt read from stdin has {len(text.encode()):,} bytes; the ranks get it on "
+                                 f"their command line, which takes at most {MAX_ARG:,}: pass a shorter prompt")
+            out[i:i + (1 if joined else 2)] = [f"--prompt-verbatim={text}"]  # (= : text may start with -)
             break
     return out
 

@@ -17,19 +17,29 @@ import pytest
 from mlx_spec import generate_cli, launch
 
 
-@pytest.mark.parametrize("given", [["--prompt", "-"], ["-p", "-"], ["--prompt=-"]])
-def test_a_stdin_prompt_is_read_once_and_given_to_every_rank_as_it_is(monkeypatch, given):
+@pytest.mark.parametrize("given", [["--prompt", "-"], ["-p", "-"], ["--prompt=-"], ["-p-"]])
+@pytest.mark.parametrize("text", ['def f():\n    return "a\\nb"\n', "---\ntitle: x\n---\n"])
+def test_a_stdin_prompt_is_read_once_and_given_to_every_rank_as_it_is(monkeypatch, given, text):
     """The ranks' stdin is a pipe nobody writes to (they waited on it for good); the text reaches
-    them untouched, its backslash sequences included (a --prompt's \\n would become a newline)."""
-    text = 'def f():\n    return "a\\nb"\n'
+    them untouched, its backslash sequences included (a --prompt's \\n would become a newline),
+    and a text starting with a dash too."""
     monkeypatch.setattr(sys, "stdin", io.StringIO(text))
     command = launch._read_stdin_prompt(["--", "generate", "--shard", "pipeline", *given, "-m", "8"])
-    assert command == ["--", "generate", "--shard", "pipeline", "--prompt-verbatim", text, "-m", "8"]
+    assert command == ["--", "generate", "--shard", "pipeline", f"--prompt-verbatim={text}", "-m", "8"]
     parser = argparse.ArgumentParser()
     generate_cli.add_arguments(parser)
     assert generate_cli.prompt_text(parser.parse_args(command[2:])) == text
     assert generate_cli.prompt_text(parser.parse_args(["--prompt", "x\\ny"])) == "x\ny"  # as mlx_lm.generate
     assert launch._read_stdin_prompt(["serve", "--shard", "pipeline", "--prompt", "-"])[-1] == "-"
+
+
+def test_a_stdin_prompt_too_long_for_a_command_line_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x" * (launch.MAX_ARG + 1)))
+    args = argparse.Namespace(command=["generate", "--shard", "pipeline", "--prompt", "-"], dry_run=False,
+                              timeout=None, repeat_hosts=2, hosts=None, hostfile=None, backend="ring",
+                              starting_port=None)
+    assert launch.run(args) == 2
+    assert "the prompt read from stdin has 100,001 bytes" in capsys.readouterr().err
 
 
 def _alive(pid: int) -> bool:
