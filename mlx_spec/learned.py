@@ -65,21 +65,31 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
 
 
 def policy_file(model, drafter, sampling) -> Path:
-    """Where what a policy learned is kept: per model, drafter kind (tree budget, lookup-guided
-    or not) and sampling mode."""
+    """Where what a policy learned is kept: per target (and its weights), drafter (its kind,
+    weights and settings) and sampling mode."""
+    mode = "greedy" if sampling is None or sampling.greedy else "sampled"
+    return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{_tag(drafter)}-{mode}.json"
+
+
+def _tag(drafter) -> str:
+    """A drafter's kind and what changes its acceptance: its weights (a draft model's, a head's)
+    and settings (tree budget, lookup guidance, head share, stop rule, n-gram sizes); a mixed
+    drafter's, each member's."""
+    import mlx.nn as nn
+
     parent = getattr(drafter, "forked_from", lambda: None)() or drafter
     kind = type(parent).__name__
+    members = getattr(parent, "drafters", None)
+    if members is not None:
+        return kind + "".join(f"-[{_tag(m)}]" for m in members)
     draft_model = getattr(parent, "model", None)
     if draft_model is not None:  # (another draft model's weights draft otherwise)
         kind += f"-{model_key(draft_model)}-{weights_key(draft_model)}"
-    if hasattr(parent, "min_n"):  # prompt lookup: its n-gram sizes, branches and corpus
-        from .drafters.ngram import NGramDrafter
-
-        default = NGramDrafter()
-        tag = [f"n{parent.min_n}-{parent.max_n}" if (parent.min_n, parent.max_n) != (default.min_n, default.max_n)
-               else "", f"b{parent.branches}" if parent.branches != 1 else "",
-               "c" + hashlib.sha256(repr(parent.corpus).encode()).hexdigest()[:6] if parent.corpus is not None else ""]
-        kind += "".join(f"-{t}" for t in tag if t)
+    owners = (parent, getattr(parent, "context", None))  # (a block drafter keeps its net in its context)
+    nets = [getattr(o, name) for o in owners for name in ("head", "net", "heads")
+            if isinstance(getattr(o, name, None), nn.Module)]
+    if nets:  # a head's own weights (a published head and its realigned copy learn apart)
+        kind += "-" + hashlib.sha256("".join(map(weights_key, nets)).encode()).hexdigest()[:8]
     if getattr(parent, "tree_budget", None) is not None:  # trees learn apart from the same kind's chains
         kind += f"-tree{parent.tree_budget}"
     if getattr(parent, "lookup", True) is False:  # unguided chains draft at another cost
@@ -90,8 +100,15 @@ def policy_file(model, drafter, sampling) -> Path:
     stop = getattr(parent, "min_confidence", MIN_CONFIDENCE)  # chains that stop elsewhere
     if stop != MIN_CONFIDENCE:
         kind += "-nostop" if stop is None else f"-stop{stop:g}"
-    mode = "greedy" if sampling is None or sampling.greedy else "sampled"
-    return policy_dir() / f"{model_key(model)}-{weights_key(model)}-{kind}-{mode}.json"
+    if hasattr(parent, "min_n"):  # prompt lookup: its n-gram sizes, branches and corpus
+        from .drafters.ngram import NGramDrafter
+
+        default = NGramDrafter()
+        tag = [f"n{parent.min_n}-{parent.max_n}" if (parent.min_n, parent.max_n) != (default.min_n, default.max_n)
+               else "", f"b{parent.branches}" if parent.branches != 1 else "",
+               "c" + hashlib.sha256(repr(parent.corpus).encode()).hexdigest()[:6] if parent.corpus is not None else ""]
+        kind += "".join(f"-{t}" for t in tag if t)
+    return kind
 
 
 def policy_dir() -> Path:

@@ -103,10 +103,23 @@ def test_policies_are_kept_apart_for_other_lookups_draft_weights_and_targets():
     from mlx_spec import DraftModelDrafter, NGramDrafter, Sampling
 
     target, greedy = tiny.llama_model(), Sampling()
+    from mlx_spec import MixedDrafter
+    from mlx_spec.drafters.eagle import EagleDrafter, Eagle3Head
+    from mlx_spec.train.export import head_config
+
+    def head(seed):  # two EAGLE-3 heads of one shape (a published one and its realigned copy)
+        import mlx.core as mx
+
+        cfg = head_config(tiny.llama_model(layers=6), [1, 2, 4], 32)  # (tiny models seed MLX themselves)
+        mx.random.seed(seed)
+        return EagleDrafter(Eagle3Head(cfg), [1, 2, 4], cfg)
+
+    draft = DraftModelDrafter(tiny.llama_model(seed=11))
     files = {learned.policy_file(target, d, greedy).name for d in (
         NGramDrafter(), NGramDrafter(min_n=1, max_n=8), NGramDrafter(branches=3), NGramDrafter(corpus=[1, 2, 3]),
-        DraftModelDrafter(tiny.llama_model(seed=11)), DraftModelDrafter(tiny.llama_model(seed=12)))}
-    assert len(files) == 6, files
+        draft, DraftModelDrafter(tiny.llama_model(seed=12)), head(1), head(2),
+        MixedDrafter(NGramDrafter(), draft), MixedDrafter(NGramDrafter(branches=2), draft))}
+    assert len(files) == 10, files
     assert learned.policy_file(target, NGramDrafter(), greedy) == learned.policy_file(target, NGramDrafter(), greedy)
     drafter = NGramDrafter()
     one = learned.policy_for(target, drafter, 4, sampling=greedy)
