@@ -206,13 +206,15 @@ def test_flags_given_with_resume_must_be_the_runs_own(tmp_path, target, capsys):
         (eagle + ["--init", "random"], "--init random (the run has target)"),
         (eagle + ["--tap-layers", "1,2,4"], "--tap-layers 1,2,4 (fixed when the run made its data and head)"),
         (eagle + ["--samples", "9"], "--samples 9 (fixed when"),
+        (eagle + ["--epochs", "2"], "--epochs 2.0 (the run is 1 optimizer steps long, fixed when it started)"),
         (again + ["--drafter", str(out)], f"--drafter {out} (the run has {head.resolve()})"),
         (again + ["--drafter", str(head), "--eval-k", "3"], "--eval-k 3 (the run has 4)"),
     ]:
         assert cli_main(argv) == 2
         err = capsys.readouterr().err
         assert "--resume continues" in err and says in err, (argv, err)
-    for argv in (eagle + ["--steps", "1", "--eval-tokens", "2", "--lr", "3e-4"], again + ["--drafter", str(head)]):
+    for argv in (eagle + ["--steps", "1", "--eval-tokens", "2", "--lr", "3e-4"], again + ["--drafter", str(head)],
+                 eagle + ["--feature-cache-gb", "0", "--log-every", "3", "--checkpoint-every", "5"]):  # may change
         with pytest.raises(Exception) as e:  # past the check: loading the model fails
             assert cli_main(argv) != 0
             raise AssertionError(capsys.readouterr().err)
@@ -240,3 +242,23 @@ def test_a_bfloat16_head_is_realigned_on_a_float32_copy(tmp_path, target):
     moved = (after[w] != before[w].astype(mx.float32)).mean().item()
     assert moved > 0.5, moved  # in bfloat16, about none of them move
     assert report["before"]["identical_to_plain"] and report["after"]["identical_to_plain"]
+
+
+def test_a_resumed_run_takes_new_memory_and_logging_settings(tmp_path, target, monkeypatch):
+    """--feature-cache-gb (a run stopped for memory resumes with less), --log-every and
+    --checkpoint-every change neither the data, the schedule nor the weights."""
+    from mlx_spec.train import run as run_mod
+
+    model, tok = target
+    out = tmp_path / "out"
+    train_eagle3(model, tok, out, prompts=PROMPTS, **QUICK)
+    seen, real = [], run_mod.Trainer
+
+    def spy(*args, **kw):
+        seen.append(args[6])  # its Settings
+        return real(*args, **kw)
+
+    monkeypatch.setattr(run_mod, "Trainer", spy)
+    train_eagle3(model, tok, out, resume=True, log=lambda m: None,
+                 resume_with={"feature_cache_gb": 0.0, "log_every": 3})
+    assert (seen[0].feature_cache_gb, seen[0].log_every, seen[0].steps) == (0.0, 3, 1)

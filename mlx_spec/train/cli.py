@@ -45,7 +45,8 @@ def _common(p: argparse.ArgumentParser, samples: int, epochs: float, lr: float) 
     p.add_argument("--eval-k", type=int, help="draft length of the evaluation (default 4)")
     p.add_argument("--eval-tokens", type=int, help="tokens generated per evaluation prompt (default 128)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out where it stopped, "
-                   "with the settings it was started with")
+                   "with the settings it was started with (but --feature-cache-gb, --log-every, "
+                   "--checkpoint-every)")
     p.add_argument("--seed", type=int, help="data order and prompts (default 0)")
     p.set_defaults(defaults=_defaults(samples, epochs, lr))
 
@@ -102,10 +103,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.job == "export":
             return _export(args)
+        from .run import RESUME_MAY_CHANGE, check_resume
+
         given = _given(args)
         if args.resume:
-            from .run import check_resume
-
             check_resume(Path(args.out), args.job, given)  # before the model is even loaded
         for name, value in args.defaults.items():
             if getattr(args, name) is None:
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
                       checkpoint_every=args.checkpoint_every, log_every=args.log_every,
                       eval_k=args.eval_k, eval_tokens=args.eval_tokens,
                       feature_cache_gb=args.feature_cache_gb,
+                      resume_with={name: given[flag] for flag, name in RESUME_MAY_CHANGE.items() if flag in given}
+                      if args.resume else None,
                       topics=tuple(t.strip() for t in args.magpie_topics.split(",") if t.strip()))
         if args.job == "eagle3":
             from .run import train_eagle3

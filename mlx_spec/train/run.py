@@ -106,11 +106,22 @@ def saved_run(out: Path, kind: str) -> dict:
     return run
 
 
+# Settings a resumed run may change: they change neither its data, its schedule nor its weights.
+RESUME_MAY_CHANGE = {"--feature-cache-gb": "feature_cache_gb", "--log-every": "log_every",
+                     "--checkpoint-every": "checkpoint_every"}
+
+
 def check_resume(out: Path, kind: str, given: dict) -> None:
     """Refuse flags given with --resume that would not be used: a run continues with its own settings
-    (that is what makes a resumed run's weights an uninterrupted one's)."""
+    (that is what makes a resumed run's weights an uninterrupted one's), but for memory and logging
+    (`RESUME_MAY_CHANGE`)."""
     run, wrong = saved_run(out, kind), []
     for flag, value in given.items():
+        if flag in RESUME_MAY_CHANGE:
+            continue
+        if flag == "--epochs":
+            wrong.append(f"--epochs {value} (the run is {run['settings']['steps']} optimizer steps long, fixed when it started)")
+            continue
         if flag not in _SAVED:
             wrong.append(f"{flag} {value} (fixed when the run made its data and head)")
             continue
@@ -204,13 +215,14 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
                  lr: float = 3e-4, ttt_steps: int = 7, checkpoint_every: int = 200, log_every: int = 10,
                  eval_k: int = 4, eval_tokens: int = 128, data_from=None, topics=TOPICS,
                  feature_cache_gb: float = 2.0, init: str = "target", on_step=None,
-                 log=_err) -> dict:
+                 resume_with: dict | None = None, log=_err) -> dict:
     """Train a new EAGLE-3 head for `model` into `out`; returns the evaluation figures.
 
     `prompts`: a JSONL path, a list of chat message lists, or None (the target writes them);
     `data_from`: the folder of an earlier run whose data (and held-out prompts) to reuse;
     `init`: "target" starts the head's output layer as the target's (`init_from_target`),
-    "random" as a fresh layer."""
+    "random" as a fresh layer; `resume_with`: settings a resumed run changes (`RESUME_MAY_CHANGE`'s,
+    by Settings name)."""
     from ..drafters.eagle import Eagle3Head
 
     out = Path(out)
@@ -224,7 +236,7 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
         check_target(model, f"{out} (the run to resume)", "Resume with the target the run was started with.",
                      made_for=cfg["mlx_spec"]["target"])
         rows, held = _load_data(out)
-        settings = Settings(**run["settings"])
+        settings = Settings(**{**run["settings"], **(resume_with or {})})
         d2t = mx.load(str(out / "model.safetensors"))["draft_to_target"]
         head = Eagle3Head(cfg)
         trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
@@ -282,7 +294,7 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
             max_length: int = 512, epochs: float = 1, steps: int | None = None, resume: bool = False,
             seed: int = 0, lr: float = 1e-4, ttt_steps: int = 7, checkpoint_every: int = 200,
             log_every: int = 10, eval_k: int = 4, eval_tokens: int = 128, topics=TOPICS,
-            feature_cache_gb: float = 2.0, on_step=None, log=_err) -> dict:
+            feature_cache_gb: float = 2.0, on_step=None, resume_with: dict | None = None, log=_err) -> dict:
     """Fine-tune the EAGLE-3 head in `drafter_dir` to `model`; eval.json holds tau before and after."""
     from ..drafters.eagle import Eagle3Head
     from ..heads import load_drafter
@@ -315,7 +327,7 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
         log(f"{drafter_dir} holds lower-precision weights: fine-tuned and written in float32")
     if resume:
         rows, held = _load_data(out)
-        settings = Settings(**run["settings"])
+        settings = Settings(**{**run["settings"], **(resume_with or {})})
         trainer = Trainer(model, head, cfg, d2t, rows, out, settings, log)
         trainer.restore()
         eval_k, eval_tokens = run["eval_k"], run["eval_tokens"]
