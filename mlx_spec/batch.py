@@ -315,9 +315,9 @@ class BatchDecoder:
             return row.lengths.shapes.apply(draft, shape)
         if not self._said_chain:
             self._said_chain = True
-            log.info("draft trees need a target with plain KV caches (in a batch, also ropes that "
-                     "take a position per row) and no logits processors; verifying their first "
-                     "branch as a chain instead")
+            log.info("draft trees need a target with plain KV caches, ropes that alone place positions "
+                     "(in a batch, a position per row) and no logits processors; verifying their "
+                     "first branch as a chain instead")
         return tree.as_chain(draft)
 
     def _trees_verify(self, row: Row, cache: list, width: int) -> bool:
