@@ -402,3 +402,21 @@ def test_bad_cache_options_stop_the_server_before_it_starts():
 
     with pytest.raises(ValueError, match="kv_bits must be one of"):
         Engine(tiny.llama_model(), word_tokenizer(), cache_options=dict(kv_bits=7))
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.5}, {"frequency_penalty": 1.5},
+                                     {"presence_penalty": 1.5}])
+def test_a_prompt_cache_hit_leaves_penalties_as_they_were(ngram_server, penalty):
+    """The second request reads its prompt from the cache: the penalties still see it (they saw
+    only the uncached rest of it, and the output changed)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    tok = word_tokenizer()
+    ids = templated(tok)
+    want = tok.decode([int(t) for t, _ in generate_step(mx.array(ids), ngram_server.model, max_tokens=N,
+                                                        logits_processors=make_logits_processors(**penalty))])
+    c = client(ngram_server)
+    got = [chat(c, extra_body=penalty) for _ in range(2)]
+    assert [text for text, _, _ in got] == [want, want]
+    assert got[1][1]["usage"].prompt_tokens_details.cached_tokens > 0

@@ -276,6 +276,8 @@ class Engine:
             if job.cancelled.is_set():
                 raise _Cancelled(job)
 
+        if cached and options.get("logits_processors"):  # penalties read the cached prompt too
+            options = {**options, "logits_processors": with_history(options["logits_processors"], prompt[:cached])}
         # Sharded, a prefill is never cut short (the other ranks would go on): the row ends
         # after the step instead.
         try:
@@ -376,3 +378,19 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
+
+
+HISTORY = 1024  # cached prompt tokens a penalty may read (mlx-lm's penalties read the last 20)
+
+
+def with_history(processors: list, before: list[int]) -> list:
+    """`processors` for a request whose prompt starts with `before`, already in its prompt cache:
+    they see the tokens the decoder never feeds (a cache hit must not change a penalty's output)."""
+    import mlx.core as mx
+
+    prefix = mx.array(before[-HISTORY:], mx.uint32)
+
+    def seeing(proc):
+        return lambda tokens, logits: proc(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
+
+    return [seeing(p) for p in processors]
