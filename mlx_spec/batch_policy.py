@@ -176,6 +176,10 @@ def choose_for_batch(model, policies: list) -> list[tuple[int, float | None]]:
     now and then to measure it. K = 0 decodes plainly, with a 1-token probe now
     and then, so drafting resumes when load drops or text becomes predictable.
     """
+    own = {i: p.choose() for i, p in enumerate(policies) if _repeatable(p)}  # seeded rows: as alone
+    if own:
+        view = [FixedK(own[i][0]) if i in own else p for i, p in enumerate(policies)]
+        return [own.get(i, c) for i, c in enumerate(choose_for_batch(model, view))]
     auto = [p for p in policies if isinstance(p, AdaptiveK)]
     fixed = [p.k for p in policies if not isinstance(p, AdaptiveK)]
     if not auto:
@@ -238,6 +242,7 @@ def trim_drafts(model, policies: list, drafts: list, asked: list[int]) -> list[i
     caps the cut (min(W, length) depends on the tokens before each position).
     """
     costs = _costs(model)
+    policies = [FixedK(0) if _repeatable(p) else p for p in policies]  # a seeded row's draft: as alone
     sizes = [d.size for d in drafts]
     weighed = [a if d.q is not None else s for a, d, s in zip(asked, drafts, sizes)]
     auto = [s for p, s in zip(policies, weighed) if isinstance(p, AdaptiveK)]
@@ -256,6 +261,12 @@ def trim_drafts(model, policies: list, drafts: list, asked: list[int]) -> list[i
         costs.parked, costs.probe_every = 0, PROBE_FIRST
     costs.plan = None  # a probe nobody could answer is asked again next step (still due)
     return cut(W, sizes)
+
+
+def _repeatable(policy) -> bool:
+    """A seeded sampled row's policy: its draft lengths, and with them its random draws, must be
+    what they would be alone, whatever else the batch holds."""
+    return isinstance(policy, AdaptiveK) and policy.solo
 
 
 def expected_rate(model, policies: list, K: int, costs: BatchCosts | None = None,
@@ -346,6 +357,7 @@ def draft_lengths(model, row: Row, recurrent: bool):
         policy = policy_for(model, drafter, k_max, replays=recurrent, sampling=req.sampling,
                             seeded=req.repeatable)
         policy.together = getattr(drafter, "together", lambda: None)()  # (batch_policy's costs)
+        policy.solo = req.repeatable and not req.sampling.greedy
         policy.start_request()
         costs = _BATCH.get(model)  # a parked batch probes soon for a new request, as one alone does
         if costs is not None:
@@ -373,8 +385,8 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
         if len(rows) > 1 else None
     from .distributed import agree_lengths, agree_sources
 
-    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(gain, share)
-                                    else (k, gain) for row, (k, gain) in zip(rows, choices)])
+    choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(
+        gain, None if _repeatable(row.lengths) else share) else (k, gain) for row, (k, gain) in zip(rows, choices)])
     agree_sources(model, [r.drafter for r in rows])
     for row, (k, _) in zip(rows, choices):
         if k < 0:

@@ -83,8 +83,9 @@ def smollm2(smollm2_path):
 
 @pytest.fixture
 def untimed_seeded_rows(monkeypatch):
-    """Seeded greedy rows choose draft lengths as seeded sampled rows do (from the calibrated
-    costs and the tokens only), so a policy rule is tested without timing noise."""
+    """Seeded greedy rows choose draft lengths from the calibrated costs and the tokens only, as
+    seeded sampled rows do (in a batch, still jointly: a seeded sampled row alone takes its own),
+    so a policy rule is tested without timing noise."""
     from mlx_spec.request import Request
 
     monkeypatch.setattr(Request, "repeatable", property(lambda self: self.seed is not None))

@@ -319,3 +319,27 @@ def test_a_new_request_makes_a_parked_batch_probe_soon():
     decoder.add(PROMPTS[0], mlx_spec.NGramDrafter(), max_tokens=4)
     decoder.step()  # the prompt read; the row starts decoding
     assert (costs.parked, costs.probe_every) == (0, batch_policy.PROBE_FIRST)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_a_seeded_sampled_row_on_auto_gets_its_solo_output_beside_any_rows(drafter):
+    """A seed repeats a sampled request's output, batched or not: its draft lengths (and with them
+    its random draws) are its own policy's, not the batch's joint choice (which made them depend
+    on the other rows: most of these seeds came out otherwise), and its draft is never cut to
+    the batch's length."""
+    from test_batch import drain
+
+    model, tok = tiny.llama_model(), tiny.tokenizer()
+    make = (lambda: mlx_spec.NGramDrafter(min_n=1)) if drafter == "ngram" else \
+        (lambda: mlx_spec.DraftModelDrafter(tiny.llama_model(seed=4), min_confidence=None))
+    prompt = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
+    for seed in (11, 12, 13):
+        kw = dict(max_tokens=60, temp=1.0, seed=seed, num_draft_tokens="auto")
+        solo = list(mlx_spec.stream_generate(model, tok, prompt, make(), **kw))
+        decoder = BatchDecoder(model, tok, max_batch=4)
+        uid = decoder.add(prompt, make(), **kw)
+        others = [decoder.add([5, 6, 7, 8] * 3 + [5, 6, 20 + i], make(), max_tokens=90) for i in range(3)]
+        out, widths = drain(decoder)
+        assert max(widths) == 4 and out[uid] == [r.token for r in solo], seed
+        assert decoder.last_stats[uid].chosen_k == solo[-1].stats.chosen_k
+        assert all(decoder.last_stats[u].drafted for u in [uid, *others])  # drafts ran in the batch
