@@ -420,3 +420,25 @@ def test_a_prompt_cache_hit_leaves_penalties_as_they_were(ngram_server, penalty)
     got = [chat(c, extra_body=penalty) for _ in range(2)]
     assert [text for text, _, _ in got] == [want, want]
     assert got[1][1]["usage"].prompt_tokens_details.cached_tokens > 0
+
+
+def test_a_last_assistant_message_is_continued_on_messages_and_on_request_on_chat():
+    """Anthropic's prefill: the answer continues the assistant's text (it used to be closed with an
+    end-of-turn and a new assistant header); on /v1/chat/completions as vLLM's
+    `continue_final_message` asks. The answer is the target's continuation of that prompt."""
+    chatml = ("{% for m in messages %}w90 {{ m['role'] }} {{ m['content'] }} w91 {% endfor %}"
+              "{% if add_generation_prompt %}w90 assistant {% endif %}")
+    tok, model = word_tokenizer(chat_template=chatml), tiny.llama_model()
+    messages = [{"role": "user", "content": "w5 w6 w7"}, {"role": "assistant", "content": "w30 w31"}]
+    prompt = tok.encode("w90 user w5 w6 w7 w91 w90 assistant w30 w31")
+    want = tok.decode([r.token for r in mlx_spec.stream_generate(model, tok, prompt, max_tokens=6)])
+    with running_server(model, tok) as s:
+        status, r = post(s.port, "/v1/messages", {"model": "test-model", "max_tokens": 6, "temperature": 0,
+                                                  "messages": messages})
+        assert status == 200 and r["content"][0]["text"] == want
+        status, r = post(s.port, "/v1/chat/completions", {"messages": messages, "max_tokens": 6,
+                                                          "continue_final_message": True})
+        assert status == 200 and r["choices"][0]["message"]["content"] == want
+        status, r = post(s.port, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 6,
+                                                          "continue_final_message": True})
+        assert status == 400 and "an assistant message last" in r["error"]["message"]

@@ -58,7 +58,9 @@ def _prompt(body: Body, engine) -> tuple[list[int], list | None]:
     thinking = body.mapping("thinking").get("type")
     if thinking is not None and engine.tokenizer.has_thinking:
         kwargs.setdefault("enable_thinking", thinking != "disabled")
-    return chat_prompt(engine.tokenizer, chat, tools, kwargs), tools
+    # A last assistant message is a prefill (Anthropic's API): the answer continues it.
+    prefill = chat[-1]["role"] == "assistant" and not chat[-1].get("tool_calls")
+    return chat_prompt(engine.tokenizer, chat, tools, kwargs, continue_final=prefill), tools
 
 
 def _message(m: dict, i: int) -> list[dict]:

@@ -48,7 +48,8 @@ def parse_chat(body: Body, engine) -> Call:
     if fmt != "text":
         raise invalid(f"'response_format' {fmt!r} is not supported (no constrained decoding); "
                       "ask for JSON in the prompt instead", "response_format")
-    prompt = chat_prompt(engine.tokenizer, chat, tools, body.mapping("chat_template_kwargs"))
+    prompt = chat_prompt(engine.tokenizer, chat, tools, body.mapping("chat_template_kwargs"),
+                         continue_final=body.boolean("continue_final_message"))  # (vLLM's field)
     limit = body.integer("max_completion_tokens", None, 1) or body.integer("max_tokens", None, 1)
     options, use = generation_options(body, engine,
                                       max_tokens=check_prompt(prompt, limit or DEFAULT_MAX_TOKENS, engine))

@@ -180,15 +180,23 @@ def part_text(part: dict, where: str) -> str:
     return text
 
 
-def chat_prompt(tokenizer, messages: list[dict], tools: list | None, template_kwargs: dict) -> list[int]:
-    """Token ids of `messages` (OpenAI-shaped, content already text) through the chat template."""
+def chat_prompt(tokenizer, messages: list[dict], tools: list | None, template_kwargs: dict,
+                continue_final: bool = False) -> list[int]:
+    """Token ids of `messages` (OpenAI-shaped, content already text) through the chat template;
+    `continue_final`: the last (assistant) message is continued, not closed (a prefill)."""
+    if continue_final and messages[-1].get("role") != "assistant":
+        raise invalid("continuing the final message needs an assistant message last", "messages")
     if not tokenizer.has_chat_template:
+        if continue_final:
+            raise invalid("this model has no chat template to continue an assistant message with", "messages")
         from mlx_lm.server import convert_chat  # mlx-lm's plain "USER: ... ASSISTANT:" layout
 
         return tokenizer.encode(convert_chat(messages))
+    turn = dict(add_generation_prompt=False, continue_final_message=True) if continue_final else \
+        dict(add_generation_prompt=True)
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                            tokenize=True, **template_kwargs)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
+                                            **{**template_kwargs, **turn})
     except Exception as e:  # the template itself raises on messages it does not accept
         raise invalid(f"the model's chat template refused these messages: {e}", "messages") from e
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
