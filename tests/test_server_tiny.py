@@ -190,6 +190,11 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
+    ({"logit_bias": {"5": True}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"functions": [{"name": "f"}], "function_call": {"name": "f"}}, "function_call"),
     ({"temperature": float("inf")}, "temperature"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
@@ -442,3 +447,24 @@ def test_a_last_assistant_message_is_continued_on_messages_and_on_request_on_cha
         status, r = post(s.port, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 6,
                                                           "continue_final_message": True})
         assert status == 400 and "an assistant message last" in r["error"]["message"]
+
+
+def test_legacy_functions_are_tools_and_parallel_calls_can_be_turned_off():
+    """`functions` / `function_call` (OpenAI's older form) reach the template as tools (they were
+    ignored); with `parallel_tool_calls: false` (Anthropic: `disable_parallel_tool_use`) an answer
+    that makes several calls returns its first only."""
+    from mlx_spec.server.openai import _tools
+    from mlx_spec.server.params import Body
+    from mlx_spec.server.text import Router, make_machine
+
+    fn = {"name": "lookup", "parameters": {"type": "object"}}
+    assert _tools(Body({"functions": [fn]})) == [{"type": "function", "function": fn}]
+    assert _tools(Body({"functions": [fn], "function_call": "none"})) is None
+    tok = word_tokenizer(rename={10: "<tool_call>", 11: "</tool_call>"}, tool_call_start="<tool_call>",
+                         tool_call_end="</tool_call>",
+                         tool_parser=lambda text, tools: {"name": "lookup", "arguments": {"words": text.split()}})
+    text = "<tool_call> w5 </tool_call> <tool_call> w6 </tool_call> <tool_call> w7 </tool_call>"
+    for single, want in ((False, [["w5"], ["w6"], ["w7"]]), (True, [["w5"]])):
+        router = Router(tok, make_machine(tok), [1, 2], [{"type": "function", "function": fn}], single)
+        calls = router.feed(text, "eos").tool_calls
+        assert [c["arguments"]["words"] for c in calls] == want

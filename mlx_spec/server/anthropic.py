@@ -35,8 +35,9 @@ def parse_messages(body: Body, engine) -> Call:
     if "temperature" not in body:
         body.data["temperature"] = DEFAULT_TEMPERATURE
     options, use = generation_options(body, engine, max_tokens=check_prompt(prompt, max_tokens, engine))
+    single = body.mapping("tool_choice").get("disable_parallel_tool_use") is True
     return validate(Call(prompt, options, use, model, body.boolean("stream"),
-                         body.stops("stop_sequences"), None, True, tools), engine)
+                         body.stops("stop_sequences"), None, True, tools, one_tool_call=single), engine)
 
 
 def _prompt(body: Body, engine) -> tuple[list[int], list | None]:
@@ -130,7 +131,7 @@ class Reply:
     def __init__(self, call: Call, engine):
         self.call = call
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
-        self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools)
+        self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools, call.one_tool_call)
 
     def message(self, content: list, done: Finished | None) -> dict:
         u = done.usage if done else None

@@ -43,6 +43,8 @@ def parse_chat(body: Body, engine) -> Call:
         out["content"] = text_of(m.get("content"), f"messages[{i}]")
         chat.append(tool_arguments_as_objects(out))
     _only_one(body)
+    if body.raw("audio") is not None or any(m != "text" for m in body.raw("modalities", None) or ()):
+        raise invalid("only text comes out of this server ('modalities' [\"text\"], no 'audio')", "modalities")
     tools = _tools(body)
     fmt = body.mapping("response_format").get("type", "text")
     if fmt != "text":
@@ -58,7 +60,8 @@ def parse_chat(body: Body, engine) -> Call:
     if top and not logprobs:
         raise invalid("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     return validate(Call(prompt, options, use, model, body.boolean("stream"), body.stops("stop"),
-                         top if logprobs else None, _include_usage(body), tools), engine)
+                         top if logprobs else None, _include_usage(body), tools,
+                         one_tool_call=not body.boolean("parallel_tool_calls", True)), engine)
 
 
 def parse_completion(body: Body, engine) -> Call:
@@ -100,19 +103,24 @@ def _include_usage(body: Body) -> bool:
 
 
 def _tools(body: Body) -> list | None:
-    tools = body.raw("tools")
+    tools, choice, field = body.raw("tools"), body.raw("tool_choice", "auto"), "tool_choice"
+    if tools is None and body.raw("functions") is not None:  # the deprecated form of the same
+        functions = body.raw("functions")
+        if not isinstance(functions, list) or not all(isinstance(f, dict) and f.get("name") for f in functions):
+            raise invalid("'functions' must be a list of {name, description, parameters}", "functions")
+        tools, choice, field = [{"type": "function", "function": f} for f in functions], \
+            body.raw("function_call", "auto"), "function_call"
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
             for t in tools):
         raise invalid("'tools' must be a list of {type: function, function: {name, ...}}", "tools")
-    choice = body.raw("tool_choice", "auto")
     if choice == "none":
         return None
     if choice != "auto":
-        raise invalid("'tool_choice' may be \"auto\" or \"none\": forcing a call needs constrained "
-                      "decoding, which this server does not do", "tool_choice")
+        raise invalid(f"'{field}' may be \"auto\" or \"none\": forcing a call needs constrained "
+                      "decoding, which this server does not do", field)
     return tools
 
 
@@ -127,7 +135,8 @@ class Reply:
         self.chat = call.chat
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools) if self.chat else None
+        self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools,
+                             call.one_tool_call) if self.chat else None
         self.index = 0  # streamed tool calls
 
     def head(self, kind: str) -> dict:

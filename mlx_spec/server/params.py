@@ -147,9 +147,10 @@ def _logit_bias(body: Body, engine) -> dict[int, float] | None:
             token = int(key)
         except ValueError:
             raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
-        if not 0 <= token < engine.vocab_size or not isinstance(value, (int, float)):
-            raise invalid(f"'logit_bias' must map token ids 0..{engine.vocab_size - 1} to numbers; "
-                          f"got {key!r}: {value!r}", "logit_bias")
+        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not 0 <= token < engine.vocab_size or not (number and -100 <= value <= 100):
+            raise invalid(f"'logit_bias' must map token ids 0..{engine.vocab_size - 1} to numbers in -100..100 "
+                          f"(as OpenAI's); got {key!r}: {value!r}", "logit_bias")
         out[token] = float(value)
     return out or None
 
@@ -267,6 +268,7 @@ class Call:
     include_usage: bool = False
     tools: list | None = None
     chat: bool = True  # route reasoning and tool calls (chat), or plain text (completions)
+    one_tool_call: bool = False  # parallel calls turned off: the answer's first call alone
 
 
 def model_name(body: Body, engine) -> str:

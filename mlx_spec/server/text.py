@@ -75,7 +75,7 @@ class Routed:
 class Router:
     """Content, reasoning and tool calls of one response, from its text as it streams."""
 
-    def __init__(self, tokenizer, machine, prompt: Sequence[int], tools: list | None):
+    def __init__(self, tokenizer, machine, prompt: Sequence[int], tools: list | None, single: bool = False):
         from mlx_lm.generate import TextStateMachine
 
         self._sm = TextStateMachine
@@ -86,6 +86,7 @@ class Router:
         self.tools = tools
         self.tool_text = ""
         self.called = False  # a tool call was made
+        self.single = single  # one call at most (parallel tool calls turned off)
 
     @property
     def in_tool(self) -> bool:
@@ -129,6 +130,8 @@ class Router:
             out.content += text
             return
         calls = parsed if isinstance(parsed, list) else [parsed]
+        if self.single:  # the first call the answer makes, and no other
+            calls = [] if self.called else calls[:1]
         out.tool_calls.extend(calls)
         self.called = True
 
