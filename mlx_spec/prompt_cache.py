@@ -129,10 +129,14 @@ def settle(cache: list, held, drafter, later, seen: int, last: int, taps) -> Non
 
 
 def cache_nbytes(cache: list) -> int:
+    """Bytes the layers hold: their buffers where they say (a window layer's `state` is its rows in
+    use, half its buffer or less), else their state's arrays."""
     total = 0
     for c in _layers(cache):
-        for _, a in tree_flatten(c.state):
-            total += getattr(a, "nbytes", 0)
+        try:
+            total += int(c.nbytes)
+        except (AttributeError, NotImplementedError, TypeError):
+            total += sum(getattr(a, "nbytes", 0) for _, a in tree_flatten(c.state))
     return total
 
 

@@ -165,3 +165,20 @@ def test_fetched_caches_are_private_copies():
                                                       prompt_cache=c2)]
     assert got == reference(model, held + [7], 8)
     assert np.isfinite(store.nbytes)
+
+
+def test_the_byte_budget_counts_what_window_layers_hold():
+    """A window layer's `state` is its rows in use; its buffer (the bytes the store keeps) is
+    larger. The store counts the buffers: the budget was exceeded twice over on a window model."""
+    from mlx.utils import tree_flatten
+
+    from mlx_spec.prompt_cache import _layers
+
+    model = tiny.gemma3_model(window=8)
+    store = PromptCacheStore(model)
+    store_turns(model, store, None, [TURN1])
+    caches = [cache for _, cache, _ in store._entries]
+    held = sum(a.nbytes for cache in caches for c in _layers(cache)
+               for a in ((c.keys, c.values) if c.keys is not None else ()))
+    in_use = sum(getattr(a, "nbytes", 0) for cache in caches for c in _layers(cache) for _, a in tree_flatten(c.state))
+    assert store.nbytes == held > in_use
