@@ -70,8 +70,8 @@ def _kicked(stack, layers: list, every: int, queued: Queued) -> list:
         first = {0, *range(every - 1, len(layers), every)}  # layer 0 too: the exposed build is small
         clock = [queued]
         entry = _kicks[key] = (weakref.ref(stack, lambda _, key=key: _kicks.pop(key, None)), every,
-                               list(layers), [_Kick(m, clock) if i in first else m
-                                              for i, m in enumerate(layers)], clock)
+                               list(layers), [_Kick(m, clock) if i in first and m is not None else m
+                                              for i, m in enumerate(layers)], clock)  # (None: another stage's)
     entry[4][0] = queued
     return entry[3]
 
