@@ -20,7 +20,7 @@ COMMANDS = {
     "fetch-model": ("mlx_spec.zoo", "download and convert a pinned zoo model"),
     "bench": ("mlx_spec.bench", "measure speed-ups of every method side by side"),
     "serve": ("mlx_spec.server.cli", "serve a model over OpenAI's and Anthropic's HTTP APIs"),
-    "launch": ("mlx_spec.launch", "run generate or bench on several ranks (a sharded target) via mlx.launch"),
+    "launch": ("mlx_spec.launch", "run generate, bench or serve on several ranks (a sharded target) via mlx.launch"),
     "train": ("mlx_spec.train.cli", "train or realign an EAGLE-3 draft head on this machine"),
 }
 CONVERTERS = {

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--branches", type=int, default=1,
                    help="draft trees: up to this many candidates per position; 1 (default) drafts chains")
     p.add_argument("--tree-budget", type=int, default=None, metavar="N",
-                   help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with --draft-model or an "
-                   "EAGLE head, DDTree-style trees with a DFlash or DSpark head")
+                   help="draft trees of N nodes (1..16) a step: EAGLE-2 dynamic trees with --draft-model, an "
+                   "EAGLE head or --draft mtp, DDTree-style trees with a DFlash or DSpark head; default: chains")
     p.add_argument("--num-draft-tokens", type=_k, default="auto",
                    help="default draft length: 1..16, or auto (default); requests may set their own")
     p.add_argument("--host", default="127.0.0.1",
