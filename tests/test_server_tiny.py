@@ -194,7 +194,9 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
     ({"logit_bias": {"5": True}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"modalities": ["text", "audio"]}, "modalities"),
-    ({"functions": [{"name": "f"}], "function_call": {"name": "f"}}, "function_call"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"modalities": 5}, "modalities"),
+    ({"logit_bias": {"5": 10**400}}, "logit_bias"),
     ({"temperature": float("inf")}, "temperature"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
 ])
@@ -449,17 +451,12 @@ def test_a_last_assistant_message_is_continued_on_messages_and_on_request_on_cha
         assert status == 400 and "an assistant message last" in r["error"]["message"]
 
 
-def test_legacy_functions_are_tools_and_parallel_calls_can_be_turned_off():
-    """`functions` / `function_call` (OpenAI's older form) reach the template as tools (they were
-    ignored); with `parallel_tool_calls: false` (Anthropic: `disable_parallel_tool_use`) an answer
-    that makes several calls returns its first only."""
-    from mlx_spec.server.openai import _tools
-    from mlx_spec.server.params import Body
+def test_parallel_tool_calls_can_be_turned_off():
+    """With `parallel_tool_calls: false` (Anthropic: `disable_parallel_tool_use`) an answer that
+    makes several calls returns its first only (the field was ignored)."""
     from mlx_spec.server.text import Router, make_machine
 
     fn = {"name": "lookup", "parameters": {"type": "object"}}
-    assert _tools(Body({"functions": [fn]})) == [{"type": "function", "function": fn}]
-    assert _tools(Body({"functions": [fn], "function_call": "none"})) is None
     tok = word_tokenizer(rename={10: "<tool_call>", 11: "</tool_call>"}, tool_call_start="<tool_call>",
                          tool_call_end="</tool_call>",
                          tool_parser=lambda text, tools: {"name": "lookup", "arguments": {"words": text.split()}})

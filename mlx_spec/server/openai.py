@@ -43,7 +43,8 @@ def parse_chat(body: Body, engine) -> Call:
         out["content"] = text_of(m.get("content"), f"messages[{i}]")
         chat.append(tool_arguments_as_objects(out))
     _only_one(body)
-    if body.raw("audio") is not None or any(m != "text" for m in body.raw("modalities", None) or ()):
+    modalities = body.raw("modalities", ["text"])
+    if body.raw("audio") is not None or not isinstance(modalities, list) or any(m != "text" for m in modalities):
         raise invalid("only text comes out of this server ('modalities' [\"text\"], no 'audio')", "modalities")
     tools = _tools(body)
     fmt = body.mapping("response_format").get("type", "text")
@@ -104,12 +105,10 @@ def _include_usage(body: Body) -> bool:
 
 def _tools(body: Body) -> list | None:
     tools, choice, field = body.raw("tools"), body.raw("tool_choice", "auto"), "tool_choice"
-    if tools is None and body.raw("functions") is not None:  # the deprecated form of the same
-        functions = body.raw("functions")
-        if not isinstance(functions, list) or not all(isinstance(f, dict) and f.get("name") for f in functions):
-            raise invalid("'functions' must be a list of {name, description, parameters}", "functions")
-        tools, choice, field = [{"type": "function", "function": f} for f in functions], \
-            body.raw("function_call", "auto"), "function_call"
+    for old in ("functions", "function_call"):  # (answering them would need their older reply shape too)
+        if body.raw(old) is not None:
+            raise invalid(f"'{old}' (OpenAI's deprecated form of tools) is not supported: send 'tools' "
+                          "and 'tool_choice'", old)
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(

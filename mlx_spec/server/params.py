@@ -147,8 +147,8 @@ def _logit_bias(body: Body, engine) -> dict[int, float] | None:
             token = int(key)
         except ValueError:
             raise invalid(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
-        number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not 0 <= token < engine.vocab_size or not (number and -100 <= value <= 100):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not 0 <= token < engine.vocab_size or not (number and -100 <= value <= 100):  # (NaN fails too)
             raise invalid(f"'logit_bias' must map token ids 0..{engine.vocab_size - 1} to numbers in -100..100 "
                           f"(as OpenAI's); got {key!r}: {value!r}", "logit_bias")
         out[token] = float(value)
