@@ -390,7 +390,7 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     agree_sources(model, [r.drafter for r in rows])
     for row, (k, _) in zip(rows, choices):
         if k < 0:
-            row.lengths = _without_backlog(model, row, alone=len(rows) == 1)
+            row.lengths = _without_backlog(model, row, alone=len(rows) == 1 or _repeatable(row.lengths))
     return [(max(k, 0), gain) for k, gain in choices]
 
 
@@ -414,5 +414,7 @@ def _without_backlog(model, row: Row, alone: bool = True):
     if alone and getattr(row.lengths, "frees", None) is not None:  # `SourceChoice`: lookup's tables
         return row.lengths
     row.policy_owner = rest  # what this policy learns is the member's (`Row._keep_learned`)
-    return policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,
-                      sampling=row.req.sampling, seeded=row.req.repeatable)
+    policy = policy_for(model, rest, row.lengths.k_max, replays=row.lengths.replays,
+                        sampling=row.req.sampling, seeded=row.req.repeatable)
+    policy.solo = _repeatable(row.lengths)  # (a seeded row's lengths stay its own)
+    return policy

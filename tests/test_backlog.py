@@ -266,3 +266,25 @@ def test_the_cli_summary_says_why_nothing_was_drafted(capsys):
     for reason in (None, "backlog"):
         generate_cli._summary(SpecStats(plain_reason=reason), None, args, empty=False)
         assert ("Decoded plainly: reading the prompt" in capsys.readouterr().out) is (reason is not None)
+
+
+def test_a_seeded_sampled_row_that_sheds_its_draft_model_keeps_its_solo_output_in_a_batch(pair):
+    """A mixed drafter whose draft-model read does not pay goes on with prompt lookup; a seeded
+    sampled row did so under a new policy of the batch's in a batch (and under its own lookup
+    tables alone), so its output depended on the other rows."""
+    from mlx_spec import MixedDrafter, NGramDrafter
+
+    target, draft = pair
+    tok = tiny.tokenizer()
+    for seed in (1, 2, 3):
+        kw = dict(max_tokens=12, temp=1.0, seed=seed, num_draft_tokens="auto")
+        alone = MixedDrafter(NGramDrafter(min_n=1), DraftModelDrafter(draft))
+        solo = [r.token for r in mlx_spec.stream_generate(target, tok, PROMPT, alone, **kw)]
+        batched = MixedDrafter(NGramDrafter(min_n=1), DraftModelDrafter(draft))
+        decoder = BatchDecoder(target, tok, max_batch=4)
+        uid = decoder.add(PROMPT, batched, **kw)
+        for i in range(3):
+            decoder.add([5, 6, 7, 8] * 3 + [5, 6, 20 + i], NGramDrafter(min_n=1), max_tokens=40, temp=1.0)
+        out, widths = drain(decoder)
+        assert alone.paid_off and batched.paid_off and max(widths) == 4  # both shed the draft model
+        assert out[uid] == solo, seed
