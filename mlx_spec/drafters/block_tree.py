@@ -41,6 +41,7 @@ import numpy as np
 
 from .. import tree
 from ..cache import MAX_DRAFT, make_cache
+from ..request import whole
 from ..sampling import Sampling
 from .base import Draft
 
@@ -49,7 +50,7 @@ def check_budget(tree_budget) -> int | None:
     """`tree_budget` as given (None: chains), or a ValueError saying what is allowed."""
     if tree_budget is None:
         return None
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, int) or not 1 <= tree_budget <= MAX_DRAFT:
+    if not whole(tree_budget) or not 1 <= tree_budget <= MAX_DRAFT:
         raise ValueError(f"tree_budget must be an integer in 1..{MAX_DRAFT} (the tree's nodes, "
                          f"verified in one forward) or None for chains, got {tree_budget!r}")
     return tree_budget

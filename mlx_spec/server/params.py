@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..request import whole
 from .errors import invalid
 
 DEFAULT_MAX_TOKENS = 512  # mlx-lm's server default when a request gives none
@@ -55,7 +56,7 @@ class Body:
         value = self.raw(name, default)
         if value is None:
             return None
-        if not isinstance(value, int) or isinstance(value, bool) or value < low or (
+        if not whole(value) or value < low or (
                 high is not None and value > high):
             bound = f"between {low} and {high}" if high is not None else f">= {low}"
             raise invalid(f"'{name}' must be an integer {bound}, got {value!r}", name)
@@ -109,7 +110,7 @@ def generation_options(body: Body, engine, *, max_tokens: int) -> tuple[dict, bo
         options["logits_processors"] = Processors(processors, dict(logit_bias=bias, **penalties))
     use_drafter = _draft(body, engine)
     k = body.raw("num_draft_tokens", engine.num_draft_tokens)
-    if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= 16)):
+    if not (k == "auto" or (whole(k) and 1 <= k <= 16)):
         raise invalid(f"'num_draft_tokens' must be an integer 1..16 or \"auto\", got {k!r}",
                       "num_draft_tokens")
     options["num_draft_tokens"] = k
