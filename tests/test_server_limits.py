@@ -99,3 +99,25 @@ def test_misshaped_message_parts_get_400_not_500(ngram_server, path, messages):
     status, error = post(ngram_server.port, path, {"messages": messages, "max_tokens": 2})
     assert status == 400, error
     assert metrics(ngram_server.port)['mlx_spec:requests_total{status="invalid"}'] == before + 1
+
+
+def test_a_request_that_ends_at_its_first_token_while_others_decode_ends_once(ngram_server):
+    """A row that starts while another decodes gets two blocks in one step (its first token,
+    then its verified block). Ended at the first (a stop string), it was ended again at the
+    second, and the engine stopped for good: every later request got a 503."""
+    s, c = ngram_server, client(ngram_server)
+    word = c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=1,
+                                     temperature=0).choices[0].message.content.strip()
+    for _ in range(3):
+        conn, _ = open_stream(s.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "w40 w41 w42"}],
+                                                            "max_tokens": 200, "stream": True})
+        try:
+            wait_for(lambda: s.engine.running == 1, what="the long request decoding")
+            cut = c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=8,
+                                            temperature=0, stop=[word])
+            assert cut.choices[0].message.content == "" and cut.choices[0].finish_reason == "stop"
+        finally:
+            conn.close()
+        wait_for(lambda: s.engine.running == 0, what="the long request to stop")
+    again = c.chat.completions.create(model="test-model", messages=MESSAGES, max_tokens=4, temperature=0)
+    assert again.choices[0].finish_reason == "length" and s.engine.fatal is None

@@ -313,7 +313,13 @@ class Engine:
             return
         if self.decoder.width:
             self.metrics.batch_step(self.decoder.width)
-        for uid, block in events:
+        # A row that starts while others decode has two blocks in one step (its first token, then
+        # its verified block): it ends once, at the first block that ends it; `seen` counts the
+        # tokens of its last block the client got (none, when it ended in an earlier one).
+        last, ended = {uid: i for i, (uid, _) in enumerate(events)}, set()
+        for i, (uid, block) in enumerate(events):
+            if uid in ended:
+                continue
             run = self._runs[uid]
             for seen, r in enumerate(block, 1):
                 run.n, run.last = run.n + 1, r
@@ -325,7 +331,8 @@ class Engine:
                 if reason is None and run.job.cancelled.is_set():
                     reason = "cancelled"
                 if reason is not None:
-                    self._ending.append((uid, reason, None, seen))
+                    self._ending.append((uid, reason, None, seen if last[uid] == i else 0))
+                    ended.add(uid)
                     break
 
     def _end(self, uid: int, reason: str | None, error: BaseException | None = None,
