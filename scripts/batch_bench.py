@@ -106,10 +106,12 @@ def run_mlx_lm(model, tok, prompts, template, max_tokens, k):
 
 
 def _until_eos(tokens, tok):
+    """The tokens before the first EOS: mlx-lm's batch_generate leaves the EOS out of its
+    token_ids and mlx-spec yields it, so all three are counted and compared without it."""
     tokens = list(tokens)
     for i, t in enumerate(tokens):
         if t in tok.eos_token_ids:
-            return tokens[: i + 1]
+            return tokens[:i]
     return tokens
 
 
@@ -118,8 +120,8 @@ def run_one_by_one(model, tok, prompts, template, max_tokens, k):
 
     tokens, done = [], []
     for p in prompts:
-        tokens.append([r.token for r in mlx_spec.stream_generate(model, tok, p, template, max_tokens=max_tokens,
-                                                                 num_draft_tokens=k)])
+        tokens.append(_until_eos([r.token for r in mlx_spec.stream_generate(
+            model, tok, p, template, max_tokens=max_tokens, num_draft_tokens=k)], tok))
         done.append(time.perf_counter())
     return tokens, done
 
@@ -140,7 +142,7 @@ def run_batched(model, tok, prompts, template, max_tokens, k):
                 done[uid] = time.perf_counter()
                 TREE_STEPS.append(block[-1].stats.tree_steps)
                 decoder.release(uid)
-    return [tokens[u] for u in uids], [done[u] for u in uids]
+    return [_until_eos(tokens[u], tok) for u in uids], [done[u] for u in uids]
 
 
 if __name__ == "__main__":
