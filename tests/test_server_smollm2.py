@@ -109,10 +109,14 @@ def test_anthropic_messages_plain_and_streamed_equal_the_openai_answer(server):
     assert m.stop_reason in ("end_turn", "max_tokens") and m.usage.output_tokens <= 20
     assert m.usage.cache_read_input_tokens > 0  # the OpenAI request cached this prompt
     with server.anthropic.messages.stream(**kw) as stream:
-        events = [e.type for e in stream]
-        text = stream.get_final_message().content[0].text
-    assert text == want
+        seen = list(stream)
+        final = stream.get_final_message()
+    events = [e.type for e in seen]
+    assert final.content[0].text == want
     assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
+    start, end = seen[0].message.usage, final.usage  # message_start splits the prompt as the end does
+    assert start.cache_read_input_tokens == end.cache_read_input_tokens > 0
+    assert start.input_tokens == end.input_tokens == m.usage.input_tokens and start.output_tokens == 0
     assert "content_block_start" in events and "content_block_stop" in events
     assert server.anthropic.messages.count_tokens(model="smollm2", messages=messages).input_tokens > 5
 

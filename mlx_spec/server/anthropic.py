@@ -8,7 +8,7 @@ then `message_delta` (stop reason and usage) and `message_stop`. Messages,
 `system`, tool uses and tool results become the chat template's messages, so
 agents that speak Anthropic run on any local model. Cached prompt tokens are
 reported as `cache_read_input_tokens` (Anthropic's `input_tokens` counts only
-the others); `timings` and `speculative` ride the final body or
+the others), in `message_start` as at the end; `timings` and `speculative` ride the final body or
 `message_delta`, as on the OpenAI routes.
 """
 
@@ -133,21 +133,23 @@ class Reply:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
         self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools, call.one_tool_call)
 
-    def message(self, content: list, done: Finished | None) -> dict:
+    def message(self, content: list, done: Finished | None, cached: int = 0) -> dict:
         u = done.usage if done else None
         out = {"id": self.id, "type": "message", "role": "assistant", "model": self.call.model,
                "content": content, "stop_reason": self.stop_reason(done) if done else None,
-               "stop_sequence": done.stop_sequence if done else None, "usage": self.usage(done)}
+               "stop_sequence": done.stop_sequence if done else None, "usage": self.usage(done, cached)}
         if u is not None:
             out.update(timings=u.timings(), speculative=u.speculative())
         return out
 
-    def usage(self, done: Finished | None) -> dict:
-        if done is None:
-            return {"input_tokens": len(self.call.prompt), "output_tokens": 0}
-        u = done.usage
-        return {"input_tokens": u.prompt_tokens - u.cached_tokens, "output_tokens": u.completion_tokens,
-                "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0}
+    def usage(self, done: Finished | None, cached: int = 0) -> dict:
+        """Anthropic's `usage`; before the end (`message_start`), with the prompt cache's share
+        `cached` as the engine found it."""
+        prompt, out = len(self.call.prompt), 0
+        if done is not None:
+            prompt, cached, out = done.usage.prompt_tokens, done.usage.cached_tokens, done.usage.completion_tokens
+        return {"input_tokens": prompt - cached, "output_tokens": out,
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
     def stop_reason(self, done: Finished) -> str:
         if done.stop_sequence is not None:
@@ -187,7 +189,10 @@ class Reply:
                 return self.message(blocks, event)
 
     async def events(self, job):
-        yield _event("message_start", {"type": "message_start", "message": self.message([], None)})
+        # `message_start` waits for the job's first event: by then the engine has looked the
+        # prompt up in its cache, so its usage splits the prompt as `message_delta`'s does.
+        event = await job.next()
+        yield _event("message_start", {"type": "message_start", "message": self.message([], None, job.cached)})
         yield _event("ping", {"type": "ping"})
         index, open_kind = -1, None
 
@@ -209,7 +214,8 @@ class Reply:
             return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": body})
 
         while True:
-            event = await job.next()
+            if event is None:
+                event = await job.next()
             if isinstance(event, Failed):
                 yield _event("error", ApiError(500, INTERNAL).anthropic())
                 return
@@ -238,6 +244,7 @@ class Reply:
                          "speculative": event.usage.speculative()}
                 yield stop() + _event("message_delta", final) + _event("message_stop", {"type": "message_stop"})
                 return
+            event = None
 
 
 def _tool_block(call: dict) -> dict:

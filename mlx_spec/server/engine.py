@@ -268,6 +268,8 @@ class Engine:
         None on the other ranks of a sharded server, which only mirror rank 0."""
         sharded = self.link is not None
         cache, cached = self.link.agree_fetch(self.store, prompt) if sharded else self.store.fetch(prompt)
+        if job is not None:  # before the job's first event, which carries it to the handler
+            job.cached = cached
         drafter = None
         if use_drafter and self.drafter is not None:  # its own state, the server drafter's weights
             drafter = self.drafter.fork() if hasattr(self.drafter, "fork") else self.drafter

@@ -137,6 +137,7 @@ class Job:
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue = asyncio.Queue()
         self.done = False  # the engine sent its last event
+        self.cached = 0  # prompt tokens served from the prompt cache: set by the engine at admission
 
     def send(self, event) -> None:
         """From the engine thread: hand `event` to the waiting handler."""
