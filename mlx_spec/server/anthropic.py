@@ -214,8 +214,6 @@ class Reply:
             return _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": body})
 
         while True:
-            if event is None:
-                event = await job.next()
             if isinstance(event, Failed):
                 yield _event("error", ApiError(500, INTERNAL).anthropic())
                 return
@@ -244,7 +242,7 @@ class Reply:
                          "speculative": event.usage.speculative()}
                 yield stop() + _event("message_delta", final) + _event("message_stop", {"type": "message_stop"})
                 return
-            event = None
+            event = await job.next()
 
 
 def _tool_block(call: dict) -> dict:

@@ -388,7 +388,6 @@ class Engine:
             self.on_fatal(error)
 
 
-
 HISTORY = 1024  # cached prompt tokens a penalty may read (mlx-lm's penalties read the last 20)
 
 

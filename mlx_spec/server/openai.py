@@ -104,7 +104,7 @@ def _include_usage(body: Body) -> bool:
 
 
 def _tools(body: Body) -> list | None:
-    tools, choice, field = body.raw("tools"), body.raw("tool_choice", "auto"), "tool_choice"
+    tools, choice = body.raw("tools"), body.raw("tool_choice", "auto")
     for old in ("functions", "function_call"):  # (answering them would need their older reply shape too)
         if body.raw(old) is not None:
             raise invalid(f"'{old}' (OpenAI's deprecated form of tools) is not supported: send 'tools' "
@@ -118,8 +118,8 @@ def _tools(body: Body) -> list | None:
     if choice == "none":
         return None
     if choice != "auto":
-        raise invalid(f"'{field}' may be \"auto\" or \"none\": forcing a call needs constrained "
-                      "decoding, which this server does not do", field)
+        raise invalid("'tool_choice' may be \"auto\" or \"none\": forcing a call needs constrained "
+                      "decoding, which this server does not do", "tool_choice")
     return tools
 
 
