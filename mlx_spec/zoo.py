@@ -26,6 +26,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,9 @@ from pathlib import Path
 DTYPES = ("float32", "bfloat16")
 MARKER = ".mlx-spec-complete.json"
 _CHUNK = 8 << 20
+# A copy replaced by `--force` is renamed aside, not deleted at once: another process may have
+# been handed its path a moment before and still be opening its files. A later fetch removes it.
+STALE_GRACE_S = 600
 
 
 class ZooError(RuntimeError):
@@ -342,9 +346,10 @@ def _owner() -> str:
 
 
 def _sweep(final: Path, log) -> None:
-    """Remove what fetches of `final` that were killed left beside it: work folders of processes
-    of this host that no longer run (a running fetch's is kept) and half-removed stale copies."""
-    host = socket.gethostname()
+    """Remove what earlier fetches of `final` left beside it: work folders of processes of this
+    host that no longer run (a running fetch's is kept), and replaced copies once no reader can
+    still be opening them (`STALE_GRACE_S` after the replacement; at once if killed mid-way)."""
+    host, now = socket.gethostname(), time.time()
     for leftover in final.parent.glob(f".{final.name}.*-*"):
         kind, _, rest = leftover.name[len(final.name) + 2:].partition("-")
         if kind == "partial":
@@ -352,9 +357,13 @@ def _sweep(final: Path, log) -> None:
             at, _, pid = owner.rpartition("-")
             if at != host or not pid.isdigit() or _running(int(pid)):
                 continue  # another machine's (a shared cache), or a fetch still under way
-        elif kind != "stale":
+            log(f"removing {leftover.name}, left by an interrupted fetch")
+        elif kind == "stale":
+            when, _, _token = rest.rpartition("-")
+            if when.isdigit() and now - int(when) < STALE_GRACE_S:
+                continue  # replaced moments ago: a reader may still be opening its files
+        else:
             continue
-        log(f"removing {leftover.name}, left by an interrupted fetch")
         shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -369,13 +378,19 @@ def _running(pid: int) -> bool:
 
 
 def _install(out: Path, final: Path, spec: ModelSpec, replace: bool = False) -> None:
-    """Rename `out` to `final`, replacing a stale or incomplete `final` (any, if `replace`)."""
+    """Rename `out` to `final`, replacing a stale or incomplete `final` (any, if `replace`).
+
+    The replaced copy is renamed aside; a complete one (a `--force` of a working entry) stays
+    there for `STALE_GRACE_S`, so that a process that had just been handed `final` can still
+    read it, and a later fetch removes it; an incomplete one nobody can use goes at once."""
     if final.exists():
         if not replace and is_complete(final, spec):  # another process finished first
             return
-        stale = final.parent / f".{final.name}.stale-{secrets.token_hex(4)}"
+        usable = is_complete(final, spec)
+        stale = final.parent / f".{final.name}.stale-{int(time.time())}-{secrets.token_hex(4)}"
         final.rename(stale)
-        shutil.rmtree(stale, ignore_errors=True)
+        if not usable:
+            shutil.rmtree(stale, ignore_errors=True)
     try:
         out.rename(final)
     except OSError:

@@ -177,7 +177,17 @@ def test_force_fetches_a_folder_that_looks_complete(tmp_path, monkeypatch):
     args = parser.parse_args([spec.name, "--cache-dir", str(tmp_path / "cache"), "--force"])
     assert zoo.run(args) == 0
     assert len(calls) == 2 and (entry / "config.json").read_text() == good
-    assert zoo.is_complete(entry, spec) and _cache_entries(tmp_path / "cache") == [entry.name]
+    assert zoo.is_complete(entry, spec)
+    # The replaced copy is set aside, not deleted under a process that was just handed its path
+    # (it may still be opening files); a fetch after the grace period removes it.
+    aside = [n for n in _cache_entries(tmp_path / "cache") if n != entry.name]
+    assert len(aside) == 1 and aside[0].startswith(f".{entry.name}.stale-")
+    assert (entry.parent / aside[0] / "config.json").read_text() == "x" * len(good)
+    assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
+    assert len(_cache_entries(tmp_path / "cache")) == 2  # within the grace period: kept
+    monkeypatch.setattr(zoo, "STALE_GRACE_S", 0)
+    assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
+    assert _cache_entries(tmp_path / "cache") == [entry.name] and len(calls) == 2
 
 
 def test_cli_prints_the_path_last(tmp_path, monkeypatch, capsys):
