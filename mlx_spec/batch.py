@@ -43,7 +43,7 @@ from .batch_policy import choose_lengths, draft_lengths, plain_next
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter, whole
-from .rows import Response, Row, propose
+from .rows import ProgressStopped, Response, Row, propose
 
 log = logging.getLogger("mlx_spec")
 PREFILL_CHUNK = 512  # prompt tokens fed per step while other rows decode
@@ -69,6 +69,8 @@ class BatchDecoder:
         self.flight = None  # a batched plain step in flight (batch_plain), built ahead
         self._uids = itertools.count()
         self._said_solo = self._said_chain = False
+        self._carried: list = []  # events of a step that raised a row's callback error (`step`)
+        self._stopped: list[Exception] = []  # those errors, this step
 
     @property
     def busy(self) -> bool:
@@ -121,8 +123,13 @@ class BatchDecoder:
         with none, every waiting row that fits is prefilled whole, so they start together,
         and the step ends there: their first tokens go out at once (the time to first token
         is the prefill's), and their first drafts are verified in the next step.
+
+        A row whose prompt progress callback raises (a server's client that left) stops alone:
+        it goes to `done` unfinished, the step goes on for the others, and then raises that
+        error; the events it made come first from the next call.
         """
-        events, decoding = [], bool(self.active)
+        events, decoding = self._carried, bool(self.active)
+        self._carried, self._stopped = [], []
         self.width = 0  # rows verified together in this step
         with mx.stream(generation_stream):
             grouped = self._start_together(events, decoding)
@@ -131,6 +138,11 @@ class BatchDecoder:
                     first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
                         first = row.prefilled(*first)
+                except ProgressStopped as stop:
+                    self._stop(row, stop)
+                    if decoding:
+                        break
+                    continue
                 except BaseException:
                     self._drop_waiting([row])
                     raise
@@ -144,6 +156,9 @@ class BatchDecoder:
                     break
             if self.active and decoding:
                 events += self._verify()
+        if self._stopped:
+            self._carried = events
+            raise self._stopped[0]
         return events
 
     def _start_together(self, events: list, decoding: bool) -> bool:
@@ -164,14 +179,31 @@ class BatchDecoder:
             kind = mine
         if len(group) < 2:
             return False
+        group = [row for row in group if self._told(row, 0)]
+        if not group:
+            return False
         try:
             firsts = [row.prefilled(*first) for row, first in zip(group, verify.prefill_together(self.model, group))]
         except BaseException:
             self._drop_waiting(group)
             raise
         for row, first in zip(group, firsts):
-            self._started(row, first, events)
+            if self._told(row, len(row.req.prompt)):
+                self._started(row, first, events)
         return True
+
+    def _told(self, row: Row, done: int) -> bool:
+        """Call `row`'s progress callback; False if it raised (the row then stops: `step`)."""
+        try:
+            row.progress(done, len(row.req.prompt))
+            return True
+        except ProgressStopped as stop:
+            self._stop(row, stop)
+            return False
+
+    def _stop(self, row: Row, stop: ProgressStopped) -> None:
+        self._drop_waiting([row])
+        self._stopped.append(stop.error)
 
     def _drop_waiting(self, rows: list[Row]) -> None:
         for row in rows:
@@ -353,6 +385,7 @@ class BatchDecoder:
     def release(self, uid: int, seen: int | None = None) -> None:
         """The caller is done with row `uid` (finished or not), having seen `seen` responses of
         its last block (None: all): its prompt cache is left as the caller saw it."""
+        self._carried = [e for e in self._carried if e[0] != uid]
         row = next((r for r in self.waiting if r.uid == uid), None)
         if row is not None:
             self.waiting.remove(row)

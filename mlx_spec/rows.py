@@ -26,6 +26,14 @@ from .taps import Taps
 CATCH_UP_MIN = 32  # a smaller backlog is read without weighing it
 
 
+class ProgressStopped(Exception):
+    """A row's prompt progress callback raised `error`: that row stops, the others go on."""
+
+    def __init__(self, error: Exception):
+        super().__init__(error)
+        self.error = error
+
+
 @dataclass
 class Response:
     """One generated token, with mlx-lm's `GenerationResponse` fields (and `stats` on the last)."""
@@ -104,7 +112,10 @@ class Row:
 
     def progress(self, done: int, total: int) -> None:
         if self.req.prompt_progress_callback is not None:
-            self.req.prompt_progress_callback(done, total)
+            try:
+                self.req.prompt_progress_callback(done, total)
+            except Exception as e:  # e.g. a server's client left: see `BatchDecoder.step`
+                raise ProgressStopped(e) from e
 
     # ---- steps -------------------------------------------------------------------------
     def prefilled(self, y: int, logprobs: mx.array) -> list[Response]:

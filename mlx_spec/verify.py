@@ -121,12 +121,11 @@ def prefill_together(model, rows: list) -> list[tuple[int, mx.array]]:
     """`prefill` of several `fresh` rows in two batched forwards (as mlx-lm's batch generator
     prefills): their prompts but the last token left-padded into one batch cache, then the
     last tokens; each row's own cache then holds its prompt, as `prefill` would leave it.
-    Short prompts read together run the matmuls on B times the rows at once."""
+    Short prompts read together run the matmuls on B times the rows at once. The rows'
+    progress callbacks are the caller's to call (before and after), one row at a time."""
     from mlx_lm.models.cache import BatchKVCache
 
     tic, heads = time.perf_counter(), [list(r.req.prompt[:-1]) for r in rows]
-    for row in rows:
-        row.progress(0, len(row.req.prompt))
     width = max(map(len, heads))
     batch = [BatchKVCache([width - len(h) for h in heads]) for _ in rows[0].cache]
     if width:
@@ -150,7 +149,6 @@ def prefill_together(model, rows: list) -> list[tuple[int, mx.array]]:
     for row, head in zip(rows, heads):  # each row's share of the time, by its tokens
         row.prefill_time[0] += len(head)
         row.prefill_time[1] += seconds * len(head) / read
-        row.progress(len(row.req.prompt), len(row.req.prompt))
     mx.clear_cache()
     return out
 

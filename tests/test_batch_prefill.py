@@ -110,3 +110,35 @@ def test_rows_arriving_while_others_decode_are_read_together_within_one_chunk(mo
     assert calls == [2, 2]  # the third was read alone
     for uid, p in zip(first + later, prompts):
         assert out[uid] == reference(m, p, 12)
+
+
+class Left(Exception):
+    pass
+
+
+@pytest.mark.parametrize("when", ["read together", "read alone", "joining a decoding row"])
+def test_a_row_whose_progress_callback_raises_stops_alone(when):
+    """A server's client that leaves during its prompt's read stops its row by raising from the
+    row's progress callback: that row ends, the step raises the error, and every other row goes
+    on with nothing lost (its first token or block comes from the next step) and its own output."""
+    m = tiny.llama_model()
+    a_prompt, b_prompt = PROMPTS[0], (PROMPTS[2] if when == "read together" else list(range(2, 90)) * 2)
+
+    def leave(done, total):
+        raise Left
+
+    d = BatchDecoder(m, tiny.tokenizer(), max_batch=4)
+    a = d.add(a_prompt, NGramDrafter(min_n=1), max_tokens=12, num_draft_tokens=3)
+    out = {}
+    if when == "joining a decoding row":
+        drain_steps = [d.step() for _ in range(2)]  # a decodes
+        for events in drain_steps:
+            for uid, block in events:
+                out.setdefault(uid, []).extend(r.token for r in block)
+    b = d.add(b_prompt, None, max_tokens=12, prompt_progress_callback=leave)
+    with pytest.raises(Left):
+        d.step()
+    assert b in d.done and not any(r.uid == b for r in d.waiting + d.active)
+    d.release(b)
+    got, _ = drain(d, out)
+    assert got[a] == reference(m, a_prompt, 12) and b not in got
