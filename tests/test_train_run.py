@@ -109,9 +109,47 @@ def test_resumed_run_equals_uninterrupted_run(target, tmp_path):
                  **{**kw, "prompts": None, "steps": 1})
     for name in ("data.jsonl", "eval.jsonl"):
         assert (tmp_path / "again" / name).read_text() == (tmp_path / "whole" / name).read_text()
-    o1 = mx.load(str(tmp_path / "whole" / "optimizer.safetensors"))
-    o2 = mx.load(str(tmp_path / "split" / "optimizer.safetensors"))
+    o1 = mx.load(str(tmp_path / "whole" / "checkpoint.safetensors"))
+    o2 = mx.load(str(tmp_path / "split" / "checkpoint.safetensors"))
+    assert any(k.startswith("opt/") for k in o1) and any(k.startswith("head/") for k in o1)
     assert set(o1) == set(o2) and all(np.array_equal(np.array(o1[k]), np.array(o2[k])) for k in o1)
+
+
+class Killed(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("file", ["checkpoint.safetensors", "model.safetensors"])
+def test_a_run_killed_while_saving_resumes_to_the_same_weights(target, tmp_path, monkeypatch, file):
+    """Killed just after writing `file` of the checkpoint at step 4 (the checkpoint file is
+    whole; the loadable head, or state.json, not yet): resuming gives the uninterrupted run's
+    weights, from the checkpoint at 4 (whose file is whole) or from step 2's."""
+    from mlx_spec.train import export, trainer
+
+    _, model, tok = target
+    kw = dict(prompts=PROMPTS, max_length=24, steps=6, lr=3e-3, ttt_steps=2, checkpoint_every=2,
+              eval_tokens=4, **FAST)
+    train_eagle3(model, tok, tmp_path / "whole", **kw)
+    real = export.save_tensors
+
+    def dies(path, tensors, metadata=None):
+        real(path, tensors, metadata)
+        if (metadata or {}).get("step") == "4" and path.name == file:
+            raise Killed
+
+    for module in (export, trainer):
+        monkeypatch.setattr(module, "save_tensors", dies)
+    with pytest.raises(Killed):
+        train_eagle3(model, tok, tmp_path / "split", **kw)
+    for module in (export, trainer):
+        monkeypatch.setattr(module, "save_tensors", real)
+    assert json.loads((tmp_path / "split" / "state.json").read_text())["step"] == 2
+    train_eagle3(model, tok, tmp_path / "split", resume=True, log=lambda m: None)
+    a = mx.load(str(tmp_path / "whole" / "model.safetensors"))
+    b = mx.load(str(tmp_path / "split" / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
 
 
 def test_realign_to_another_target_reports_tau_before_and_after(target, trained, tmp_path_factory):

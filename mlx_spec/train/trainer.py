@@ -2,12 +2,13 @@
 
 State of a run, all in the output folder:
 * `train.json`        the run's settings (steps, learning rate, taps, seed, ...);
+* `checkpoint.safetensors`  what resuming reads: the head's weights and AdamW's state, of
+  one step (in its metadata), in one file written first;
 * `config.json` + `model.safetensors`   the head so far (a loadable drafter);
-* `optimizer.safetensors`  AdamW's moments and step count;
 * `state.json`        the number of optimizer steps done (written last).
-Every file is replaced through a temporary name; the head and optimizer files
-carry the step they belong to in their metadata, and resuming refuses a set
-whose steps disagree. The data order is a function of (seed, epoch) only and
+Every file is replaced through a temporary name, so a run killed while saving
+resumes from the checkpoint before, or from the one being written if its file was
+complete. The data order is a function of (seed, epoch) only and
 no random numbers are drawn while training, so a run stopped after any
 checkpoint and resumed gives the same weights as one that never stopped.
 
@@ -23,7 +24,6 @@ run computes the same numbers with or without the cache.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -71,6 +71,9 @@ def order(n: int, seed: int, step: int) -> int:
     return int(np.random.default_rng([seed, epoch]).permutation(n)[i])
 
 
+CHECKPOINT = "checkpoint.safetensors"
+
+
 class Trainer:
     """Trains `head` (an `Eagle3Head`) on `rows` against `model`; writes to `out`."""
 
@@ -99,24 +102,26 @@ class Trainer:
 
     def save(self) -> None:
         meta = {"step": str(self.step)}
+        both = {f"head/{k}": v for k, v in tree_flatten(self.head.trainable_parameters())}
+        both.update({f"opt/{k}": v for k, v in tree_flatten(self.opt.state)})
+        save_tensors(self.out / CHECKPOINT, both, meta)  # one file: a crash leaves one step's
         write_head(self.out, self.head, self.config, self.d2t, meta)
-        save_tensors(self.out / "optimizer.safetensors", dict(tree_flatten(self.opt.state)), meta)
         save_json(self.out / "state.json", {"step": self.step, "steps": self.s.steps})
 
     def restore(self) -> None:
         """Continue from the folder's last checkpoint (head, optimizer, step)."""
-        state = json.loads((self.out / "state.json").read_text())
-        step = int(state["step"])
-        w, wm = mx.load(str(self.out / "model.safetensors"), return_metadata=True)
-        o, om = mx.load(str(self.out / "optimizer.safetensors"), return_metadata=True)
-        if wm.get("step") != str(step) or om.get("step") != str(step):
-            raise ValueError(f"{self.out}: the checkpoint files belong to different steps "
-                             f"(state {step}, head {wm.get('step')}, optimizer {om.get('step')}); "
-                             "it was interrupted while saving: start again in a new --out folder (or empty this one)")
-        w.pop("draft_to_target", None)
-        self.head.load_weights(list(w.items()), strict=True)
-        self.opt.state = tree_unflatten(list(o.items()))
-        self.step = step
+        if not (self.out / CHECKPOINT).is_file():
+            raise ValueError(f"{self.out} has no {CHECKPOINT} (a folder of mlx-spec before 2026-12-07, "
+                             "which kept the optimizer in optimizer.safetensors): resume it with that "
+                             "version, or start again in a new --out folder")
+        both, meta = mx.load(str(self.out / CHECKPOINT), return_metadata=True)
+        w = {k[5:]: v for k, v in both.items() if k.startswith("head/")}
+        if set(w) != {k for k, _ in tree_flatten(self.head.trainable_parameters())}:
+            raise ValueError(f"{self.out / CHECKPOINT} does not hold this head's trained weights: "
+                             "start again in a new --out folder (or empty this one)")
+        self.head.load_weights(list(w.items()), strict=False)  # a frozen embedding is not in it
+        self.opt.state = tree_unflatten([(k[4:], v) for k, v in both.items() if k.startswith("opt/")])
+        self.step = int(meta["step"])
         mx.eval(self.head.parameters(), self.opt.state)
 
     # ------------------------------------------------------------ the loop
