@@ -174,6 +174,12 @@ def _finite(value, low: float = 0.0) -> float:
 
 
 def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
+    """Set `policy` from kept `data`: every value (the free sources' too) is read and checked
+    before any is set, so a damaged file leaves the policy as it was (cold)."""
+    _set_learned(policy, _read_learned(policy, data, sources))
+
+
+def _read_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> dict:
     frees = getattr(policy, "frees", None) if sources else None
     if frees is not None and len(data["frees"]) != len(frees):  # (older: both members merged)
         raise ValueError("not a source choice's")
@@ -187,25 +193,29 @@ def _apply_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> None:
             math.isfinite(float(n)) and float(n) >= 0 for row in seen for n in row):
         raise ValueError("acceptances outside 0..1 or counts not finite and >= 0")  # damaged: start cold
     carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
-    timed = data.get("timing") == TIMING_VERSION  # step times taken as this version takes them
-    if timed:  # every value read and checked before any is set: a damaged file leaves a cold policy
-        scale = None if data["scale"] is None else _finite(data["scale"])
-        shape = {int(k): _finite(v) for k, v in data["shape"].items()}
-        trees = {int(k): _finite(v, low=-math.inf) for k, v in (data.get("tree_shapes") or {}).items()}
+    out = {"accept": [[a for a, _ in row] for row in carried], "seen": [[n for _, n in row] for row in carried]}
+    if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
+        out["scale"] = None if data["scale"] is None else _finite(data["scale"])
+        out["shape"] = {int(k): _finite(v) for k, v in data["shape"].items()}
+        out["trees"] = {int(k): _finite(v, low=-math.inf) for k, v in (data.get("tree_shapes") or {}).items()}
     if frees is not None:
-        share = min(max(_finite(data["free_share"], low=-math.inf), 0.0), 1.0)
-        for p, learned in zip(frees, data["frees"]):
-            _apply_learned(p, learned)
-    policy.accept = [[a for a, _ in row] for row in carried]
-    policy.seen = [[n for _, n in row] for row in carried]
-    if timed:
-        policy.scale, policy.shape = scale, shape
-        if trees:
+        out["free_share"] = min(max(_finite(data["free_share"], low=-math.inf), 0.0), 1.0)
+        out["frees"] = [_read_learned(p, learned) for p, learned in zip(frees, data["frees"])]
+    return out
+
+
+def _set_learned(policy: AdaptiveK, v: dict) -> None:
+    policy.accept, policy.seen = v["accept"], v["seen"]
+    if "shape" in v:
+        policy.scale, policy.shape = v["scale"], v["shape"]
+        if v["trees"]:
             from .tree import ShapeChoice
 
-            policy.shapes = ShapeChoice.known(trees)
-    if frees is not None:
-        policy.free_share = share
+            policy.shapes = ShapeChoice.known(v["trees"])
+    if "frees" in v:
+        for p, learned in zip(policy.frees, v["frees"]):
+            _set_learned(p, learned)
+        policy.free_share = v["free_share"]
 
 
 def hand_back(drafter) -> None:

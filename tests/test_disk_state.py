@@ -51,6 +51,26 @@ def test_a_damaged_policy_file_leaves_the_policy_cold(tmp_path, damage):
     assert (cold.accept, cold.seen, cold.scale, cold.shape) == (before.accept, before.seen, before.scale, before.shape)
 
 
+def test_a_mixed_drafters_policy_file_damaged_in_its_last_source_leaves_every_source_cold(tmp_path):
+    from mlx_spec.sources import SourceChoice
+
+    costs = adaptive.CostModel([1.0 + 0.1 * n for n in range(17)])
+    warm = SourceChoice(costs, 4)
+    for p in warm.frees:
+        p.accept, p.seen = [[0.95] * 4 for _ in range(adaptive.STATES)], [[50] * 4 for _ in range(adaptive.STATES)]
+    path = tmp_path / "policy.json"
+    learned.save_learned(warm, path)
+    whole = SourceChoice(costs, 4)
+    assert learned._load_learned(whole, path) and all(p.accept[0][0] == 0.95 for p in whole.frees)
+    data = json.loads(path.read_text())
+    data["frees"][-1]["accept"] = [[0.5] * 3] * adaptive.STATES  # the last source's: damaged
+    path.write_text(json.dumps(data))
+    cold, before = SourceChoice(costs, 4), SourceChoice(costs, 4)
+    assert len(cold.frees) >= 2 and not learned._load_learned(cold, path)
+    assert [p.accept for p in cold.frees] == [p.accept for p in before.frees]
+    assert [p.seen for p in cold.frees] == [p.seen for p in before.frees]
+
+
 @pytest.mark.parametrize("text", ["[]", "null", json.dumps({"timing": BATCH_TIMING, "ratio": [[2, 3, "nan"]]})])
 def test_a_damaged_batch_costs_file_is_ignored(tmp_path, text):
     path = tmp_path / "batch.json"
