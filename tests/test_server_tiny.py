@@ -465,3 +465,42 @@ def test_parallel_tool_calls_can_be_turned_off():
         router = Router(tok, make_machine(tok), [1, 2], [{"type": "function", "function": fn}], single)
         calls = router.feed(text, "eos").tool_calls
         assert [c["arguments"]["words"] for c in calls] == want
+
+
+@pytest.mark.parametrize("b_prompt", [[9, 10, 11], list(range(2, 90)) * 2], ids=["read together", "read alone"])
+def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_whole(b_prompt):
+    """Request b's client leaves before b's prompt is read, in the step that reads a's too:
+    b ends as cancelled, and a still gets its whole answer (before the fix, a read together with
+    b never started and its client waited for ever; a read just before b lost its first token)."""
+    import asyncio
+
+    from mlx_spec.server.engine import Engine
+    from mlx_spec.server.events import Finished, Job, Piece
+    from runs import mlx_lm_greedy
+
+    model, tok = tiny.llama_model(), word_tokenizer()
+    engine = Engine(model, tok, None, max_batch=4)
+
+    async def answer(job) -> tuple[list[int], str]:
+        tokens = []
+        while True:
+            event = await asyncio.wait_for(job.next(), 60)
+            if isinstance(event, Piece):
+                tokens.append(event.token)
+            if isinstance(event, Finished):
+                return tokens, event.reason
+
+    async def run():
+        a, b = Job([5, 6, 7, 8], dict(max_tokens=8)), Job(b_prompt, dict(max_tokens=8))
+        b.cancelled.set()  # its client is gone: the engine finds out in b's prompt progress
+        engine.submit(a)
+        engine.submit(b)  # both queued before the engine starts: admitted in one step
+        engine.start(warm_up=False)
+        return await answer(a), await answer(b)
+
+    try:
+        (a_tokens, a_reason), (b_tokens, b_reason) = asyncio.run(run())
+    finally:
+        engine.close()
+    assert a_reason == "length" and a_tokens == mlx_lm_greedy(model, [5, 6, 7, 8], 8)
+    assert b_reason == "cancelled" and b_tokens == []
