@@ -74,7 +74,7 @@ class BatchDecoder:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.active)
+        return bool(self.waiting or self.active or self._carried)
 
     def add(self, prompt, drafter=None, *, draft_model=None, prompt_cache: list | None = None,
             rng_seed: int | None = None, **options) -> int:

@@ -467,11 +467,13 @@ def test_parallel_tool_calls_can_be_turned_off():
         assert [c["arguments"]["words"] for c in calls] == want
 
 
+@pytest.mark.parametrize("a_max", [8, 1], ids=["a decodes on", "a ends at its first token"])
 @pytest.mark.parametrize("b_prompt", [[9, 10, 11], list(range(2, 90)) * 2], ids=["read together", "read alone"])
-def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_whole(b_prompt):
+def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_whole(b_prompt, a_max):
     """Request b's client leaves before b's prompt is read, in the step that reads a's too:
     b ends as cancelled, and a still gets its whole answer (before the fix, a read together with
-    b never started and its client waited for ever; a read just before b lost its first token)."""
+    b never started and its client waited for ever; a read just before b lost its first token;
+    and an `a` whose first token ended it waited for a later request to be handed it)."""
     import asyncio
 
     from mlx_spec.server.engine import Engine
@@ -491,7 +493,7 @@ def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_wh
                 return tokens, event.reason
 
     async def run():
-        a, b = Job([5, 6, 7, 8], dict(max_tokens=8)), Job(b_prompt, dict(max_tokens=8))
+        a, b = Job([5, 6, 7, 8], dict(max_tokens=a_max)), Job(b_prompt, dict(max_tokens=8))
         b.cancelled.set()  # its client is gone: the engine finds out in b's prompt progress
         engine.submit(a)
         engine.submit(b)  # both queued before the engine starts: admitted in one step
@@ -502,5 +504,5 @@ def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_wh
         (a_tokens, a_reason), (b_tokens, b_reason) = asyncio.run(run())
     finally:
         engine.close()
-    assert a_reason == "length" and a_tokens == mlx_lm_greedy(model, [5, 6, 7, 8], 8)
+    assert a_reason == "length" and a_tokens == mlx_lm_greedy(model, [5, 6, 7, 8], a_max)
     assert b_reason == "cancelled" and b_tokens == []
