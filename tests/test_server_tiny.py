@@ -506,3 +506,18 @@ def test_a_client_leaving_during_its_prefill_leaves_the_requests_read_with_it_wh
         engine.close()
     assert a_reason == "length" and a_tokens == mlx_lm_greedy(model, [5, 6, 7, 8], a_max)
     assert b_reason == "cancelled" and b_tokens == []
+
+
+def test_top_p_zero_is_greedy_in_both_apis(ngram_server):
+    """The nucleus of mass 0 is the top token alone; mlx-lm's sampler reads 0 as 'no filter',
+    which would sample the whole distribution, the opposite of what the client asked."""
+    c = client(ngram_server)
+    greedy, _, _ = chat(c)
+    sampled = {chat(c, temperature=1.0, seed=s)[0] for s in range(3)}
+    assert sampled != {greedy}  # at temperature 1 this model's answers differ from greedy ones
+    for s in range(3):
+        assert chat(c, temperature=1.0, top_p=0, seed=s)[0] == greedy
+    a = anthropic.Anthropic(base_url=ngram_server.url, api_key="unused", max_retries=0, timeout=60)
+    r = a.messages.create(model="test-model", messages=MESSAGES, max_tokens=N,
+                          extra_body={"temperature": 1.0, "top_p": 0})
+    assert r.content[0].text == greedy

@@ -97,6 +97,8 @@ def generation_options(body: Body, engine, *, max_tokens: int) -> tuple[dict, bo
         min_p=body.number("min_p", 0.0, 0.0, 1.0),
         seed=body.integer("seed", None, -(2**63)),
     )
+    if options["top_p"] == 0:  # the nucleus of mass 0 is the top token (mlx-lm would read 0 as no filter)
+        options["temp"] = 0.0
     if options["seed"] is not None:
         options["seed"] %= 2**32  # MLX seeds are unsigned 32-bit; a client's may be any integer
     penalties = {name: body.number(name, 0.0, -2.0, 2.0) or None
