@@ -188,6 +188,7 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
     ({"stop": [""]}, "stop"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),  # and no tools
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"logit_bias": {"5000": 1}}, "logit_bias"),
     ({"logit_bias": {"5": float("nan")}}, "logit_bias"),
@@ -223,6 +224,11 @@ def test_other_bad_requests_get_their_status_in_each_apis_shape(ngram_server):
     status, error = post(port, "/v1/messages", {"messages": MESSAGES})  # no max_tokens
     assert status == 400 and error == {"type": "error", "error": {
         "type": "invalid_request_error", "message": "'max_tokens' is required (an integer >= 1)"}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):  # forced, with no tools or some
+        for tools in ([], [{"name": "f", "input_schema": {"type": "object"}}]):
+            status, error = post(port, "/v1/messages", {"messages": MESSAGES, "max_tokens": 4,
+                                                        "tool_choice": choice, **({"tools": tools} if tools else {})})
+            assert status == 400 and "tool_choice" in error["error"]["message"], (choice, tools)
     status, error = post(port, "/v1/completions", {"prompt": "w5 w6", "echo": True})
     assert status == 400 and error["error"]["param"] == "echo"
     assert request(port, "GET", "/v1/models/test-model")[0] == 200

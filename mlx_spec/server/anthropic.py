@@ -96,7 +96,10 @@ def _message(m: dict, i: int) -> list[dict]:
 
 
 def _tools(body: Body) -> list | None:
-    tools = body.raw("tools")
+    tools, choice = body.raw("tools"), body.mapping("tool_choice").get("type", "auto")
+    if choice not in ("auto", "none"):  # with tools or without (a forced call of no tool)
+        raise invalid("'tool_choice' may be auto or none: forcing a tool needs constrained "
+                      "decoding, which this server does not do", "tool_choice")
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -109,13 +112,7 @@ def _tools(body: Body) -> list | None:
         out.append({"type": "function", "function": {
             "name": t["name"], "description": t.get("description", ""),
             "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}})
-    choice = body.mapping("tool_choice").get("type", "auto")
-    if choice == "none":
-        return None
-    if choice != "auto":
-        raise invalid("'tool_choice' may be auto or none: forcing a tool needs constrained "
-                      "decoding, which this server does not do", "tool_choice")
-    return out
+    return None if choice == "none" else out
 
 
 def count_tokens(body: Body, engine) -> dict:

@@ -109,18 +109,16 @@ def _tools(body: Body) -> list | None:
         if body.raw(old) is not None:
             raise invalid(f"'{old}' (OpenAI's deprecated form of tools) is not supported: send 'tools' "
                           "and 'tool_choice'", old)
+    if choice not in ("auto", "none"):  # with tools or without (a forced call of no tool)
+        raise invalid("'tool_choice' may be \"auto\" or \"none\": forcing a call needs constrained "
+                      "decoding, which this server does not do", "tool_choice")
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("name")
             for t in tools):
         raise invalid("'tools' must be a list of {type: function, function: {name, ...}}", "tools")
-    if choice == "none":
-        return None
-    if choice != "auto":
-        raise invalid("'tool_choice' may be \"auto\" or \"none\": forcing a call needs constrained "
-                      "decoding, which this server does not do", "tool_choice")
-    return tools
+    return None if choice == "none" else tools
 
 
 # ---- responses -------------------------------------------------------------------------------
