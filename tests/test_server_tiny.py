@@ -527,3 +527,30 @@ def test_top_p_zero_is_greedy_in_both_apis(ngram_server):
     r = a.messages.create(model="test-model", messages=MESSAGES, max_tokens=N,
                           extra_body={"temperature": 1.0, "top_p": 0})
     assert r.content[0].text == greedy
+
+
+def test_a_prompt_being_built_holds_up_no_other_client(monkeypatch):
+    """Building one request's prompt (chat template, tokenizing: seconds for a long one) runs
+    off the event loop: /health and other requests are answered meanwhile."""
+    from mlx_spec.server import openai as api
+
+    real, started = api.parse_chat, threading.Event()
+
+    def slow(body, engine):
+        if body.raw("user") == "slow":
+            started.set()
+            time.sleep(3)
+        return real(body, engine)
+
+    monkeypatch.setattr(api, "parse_chat", slow)
+    with running_server(tiny.llama_model(), word_tokenizer()) as s:
+        got = {}
+        slow_one = threading.Thread(target=lambda: got.setdefault("slow", post(
+            s.port, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "user": "slow"})))
+        slow_one.start()
+        assert started.wait(30)
+        t0 = time.monotonic()
+        assert request(s.port, "GET", "/health", timeout=10)[0] == 200
+        waited = time.monotonic() - t0
+        slow_one.join(30)
+    assert got["slow"][0] == 200 and waited < 1.5, waited

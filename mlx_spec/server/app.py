@@ -121,10 +121,18 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
         except RecursionError:
             raise invalid("the request body nests JSON too deeply") from None
 
+    reading = anyio.CapacityLimiter(1)  # one request's prompt is built at a time, off the event loop
+
+    async def parsed(request: Request, parse):
+        """`parse(body, engine)` in a worker thread: a long prompt's template and tokenizing
+        would otherwise hold up every other client's stream and request while it runs."""
+        body = await read_body(request)
+        return await anyio.to_thread.run_sync(parse, body, engine, limiter=reading)
+
     def generation(parse, reply_type):
         async def handler(request: Request):
             try:
-                call = parse(await read_body(request), engine)
+                call = await parsed(request, parse)
             except ApiError as e:
                 engine.metrics.request_done("rejected" if e.status == 429 else "invalid")
                 raise
@@ -138,7 +146,7 @@ def create_app(engine, *, api_key: str | None = None, max_body_bytes: int = MAX_
         return handler
 
     async def count_tokens(request: Request):
-        return JSONResponse(anthropic.count_tokens(await read_body(request), engine))
+        return JSONResponse(await parsed(request, anthropic.count_tokens))
 
     def model_card() -> dict:
         return {"id": engine.model_id, "object": "model", "created": engine.created,
