@@ -555,3 +555,21 @@ def test_a_prompt_being_built_holds_up_no_other_client(monkeypatch):
         waited = time.monotonic() - t0
         slow_one.join(30)
     assert got["slow"][0] == 200 and waited < 1.5, waited
+
+
+def test_legacy_completion_logprobs_carry_text_offsets_streamed_or_not(ngram_server):
+    """`/v1/completions` log-probs have OpenAI's legacy shape, `text_offset` included: where each
+    token's text starts in the answer, running on across streamed chunks."""
+    c = client(ngram_server)
+    kw = dict(model="test-model", prompt="w5 w6 w7 w8 w9 w5 w6 w7", max_tokens=10, temperature=0, logprobs=2)
+    whole = c.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    starts = [whole.text.index(t, o) for t, o in zip(lp.tokens, lp.text_offset)]  # each token's text
+    assert lp.text_offset[0] == 0 and all(a < b for a, b in zip(lp.text_offset, lp.text_offset[1:]))
+    assert all(s - o <= 1 for s, o in zip(starts, lp.text_offset))  # where it starts (after a space)
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs and ch.choices[0].logprobs.tokens]
+    assert len(streamed) > 1
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    assert [t for s in streamed for t in s.tokens] == lp.tokens

@@ -135,6 +135,7 @@ class Reply:
         self.router = Router(engine.tokenizer, engine.machine, call.prompt, call.tools,
                              call.one_tool_call) if self.chat else None
         self.index = 0  # streamed tool calls
+        self.offset = 0  # legacy completions: where the next token's text starts in the answer
 
     def head(self, kind: str) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.call.model,
@@ -170,8 +171,13 @@ class Reply:
         if self.chat:
             return {"content": [dict(_lp(t, v), top_logprobs=[_lp(a, b) for a, b in top])
                                 for t, v, top in entries]}
+        offsets = []  # into the answer's text as sent (each token's piece of it, after stop cuts)
+        for p in pieces:
+            if p.logprob is not None:
+                offsets.append(self.offset)
+                self.offset += len(p.text)
         return {"tokens": [t for t, _, _ in entries], "token_logprobs": [v for _, v, _ in entries],
-                "top_logprobs": [{a: b for a, b in top} for _, _, top in entries]}
+                "top_logprobs": [{a: b for a, b in top} for _, _, top in entries], "text_offset": offsets}
 
     def stats(self, done: Finished) -> dict:
         u = done.usage
