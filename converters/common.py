@@ -141,26 +141,48 @@ def check_shapes(weights: dict, expected: dict[str, tuple[int, ...]], what: str)
         raise ConversionError(f"{what}: unexpected tensor(s) {extra[:5]}")
 
 
+def refuse_existing(out_dir: Path, force: bool, error: type = ConversionError) -> None:
+    """Refuse an existing `out_dir` unless `force`; and even then unless it is an earlier output
+    (a folder holding `config.json`) or an empty folder: `--force` must never delete a folder of
+    anything else (a parent folder given by mistake, a folder of the user's own files)."""
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        return
+    if not force:
+        raise error(f"{out_dir} already exists; use --force (force=True) to replace it")
+    if out_dir.is_symlink() or not out_dir.is_dir():
+        raise error(f"{out_dir} exists and is not a folder; --force replaces only an earlier output "
+                    "folder: choose another output path")
+    if not (out_dir / "config.json").is_file() and any(out_dir.iterdir()):
+        raise error(f"{out_dir} is not an earlier output (no config.json) and is not empty; --force "
+                    "would delete what it holds, so it replaces only earlier outputs: choose a new folder")
+
+
 @contextlib.contextmanager
-def staging_dir(out_dir: Path, force: bool = False) -> Iterator[Path]:
-    """A hidden sibling of `out_dir` to build in, renamed to `out_dir` only on success."""
+def staging_dir(out_dir: Path, force: bool = False, error: type = ConversionError) -> Iterator[Path]:
+    """A hidden sibling of `out_dir` to build in, renamed to `out_dir` only on success (an existing
+    one that `refuse_existing` allows is moved aside first, put back if the rename fails, and
+    deleted after)."""
     out_dir = Path(out_dir)
-    if out_dir.exists() and not force:
-        raise ConversionError(f"{out_dir} already exists; use --force to replace it")
+    refuse_existing(out_dir, force, error)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Not mkdtemp: its 0700 mode would stick to the final folder; mkdir honours the umask.
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         yield tmp
+        refuse_existing(out_dir, force, error)  # it may have appeared (or changed) while we worked
+        old = None
         if out_dir.exists():
-            if not force:
-                raise ConversionError(f"{out_dir} appeared while converting; not replacing it")
             old = out_dir.parent / f".{out_dir.name}.old-{secrets.token_hex(4)}"
             out_dir.rename(old)
+        try:
             tmp.rename(out_dir)
+        except BaseException:
+            if old is not None:  # put the previous folder back
+                old.rename(out_dir)
+            raise
+        if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out_dir)
     except BaseException:  # KeyboardInterrupt too: never leave a half-written folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise

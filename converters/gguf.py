@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import secrets
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from converters.common import refuse_existing, staging_dir
 from converters.gguf_arch import ArchError, build_config, hf_name, to_hf
 from converters.gguf_tokenizer import TokenizerError, eos_token_ids, save_tokenizer
 
@@ -75,7 +72,7 @@ def convert(
         raise GGUFError(f"q_bits must be one of {Q_BITS}, not {q_bits}")
     if quantize and q_group_size not in Q_GROUPS:
         raise GGUFError(f"q_group_size must be one of {Q_GROUPS}, not {q_group_size}")
-    _refuse_existing(out_dir, force)
+    refuse_existing(out_dir, force, GGUFError)
 
     start = time.perf_counter()
     log(f"reading {src}")
@@ -93,7 +90,7 @@ def convert(
     if bad:
         raise GGUFError(f"{src}: its metadata names special token id(s) {bad} outside its {n_tokens}-token vocabulary")
 
-    with _staging(out_dir, force) as tmp:
+    with staging_dir(out_dir, force, GGUFError) as tmp:
         try:
             save_tokenizer(md, tmp)
             # The vocabulary is saved; free it before the weights take the memory.
@@ -113,11 +110,6 @@ def _logger(enabled: bool):
             print(message, file=sys.stderr, flush=True)
 
     return log
-
-
-def _refuse_existing(out_dir: Path, force: bool) -> None:
-    if (out_dir.exists() or out_dir.is_symlink()) and not force:
-        raise GGUFError(f"{out_dir} already exists; use --force (force=True) to replace it")
 
 
 def _open(src: Path) -> tuple[Any, dict[str, Any]]:
@@ -208,39 +200,6 @@ def _save_model(
     log("saving")
     save_model(tmp, model, donate_model=True)
     save_config(config, tmp / "config.json")
-
-
-@contextlib.contextmanager
-def _staging(out_dir: Path, force: bool) -> Iterator[Path]:
-    """A hidden sibling of `out_dir` to build in; renamed to `out_dir` on success, else removed."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Not mkdtemp: its 0700 mode would stick to the final folder; mkdir honours the umask.
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        _refuse_existing(out_dir, force)  # it may have appeared while we worked
-        _replace(tmp, out_dir)
-    except BaseException:  # including KeyboardInterrupt: never leave a half-written folder
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _replace(tmp: Path, out_dir: Path) -> None:
-    """Rename `tmp` to `out_dir`, moving an old `out_dir` aside first and deleting it after."""
-    old = None
-    if out_dir.exists() or out_dir.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-        out_dir.rename(old / out_dir.name)
-    try:
-        tmp.rename(out_dir)
-    except BaseException:
-        if old is not None:  # put the previous folder back
-            (old / out_dir.name).rename(out_dir)
-            old.rmdir()
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

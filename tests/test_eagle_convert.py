@@ -227,6 +227,12 @@ def test_cli_reports_errors_and_refuses_to_overwrite(tmp_path, tgt, capsys):
     assert cli_main(argv + ["--target", str(tgt)]) == 2 and "already exists" in capsys.readouterr().err
     assert (tmp_path / "out" / "model.safetensors").stat().st_mtime_ns == before
     assert cli_main(argv + ["--target", str(tgt), "--force"]) == 0
+    mine = tmp_path / "mine"  # a folder of the user's own files: --force never deletes it
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    argv[3] = str(mine)
+    assert cli_main(argv + ["--target", str(tgt), "--force"]) == 2
+    assert "not an earlier output" in capsys.readouterr().err and (mine / "notes.txt").read_text() == "keep"
 
 
 def test_load_refuses_a_head_for_another_target(tmp_path, tgt):

@@ -208,9 +208,19 @@ def test_existing_out_dir_needs_force(tmp_path):
     with pytest.raises(gg.GGUFError, match="already exists"):
         gg.convert(tmp_path / "tiny.gguf", out, progress=False)
     assert (out / "old.txt").exists()
+    # --force replaces an earlier output (it holds a config.json), never a folder of other files
+    # (a parent folder named by mistake): that is refused with nothing deleted.
+    with pytest.raises(gg.GGUFError, match="not an earlier output"):
+        gg.convert(tmp_path / "tiny.gguf", out, force=True, progress=False)
+    assert (out / "old.txt").read_text() == "old" and _leftovers(tmp_path) == ["out"]
+    (out / "config.json").write_text("{}")
     gg.convert(tmp_path / "tiny.gguf", out, force=True, progress=False)
     assert not (out / "old.txt").exists() and (out / "config.json").exists()
     assert _leftovers(tmp_path) == ["out"]
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(gg.GGUFError, match="not a folder"):
+        gg.convert(tmp_path / "tiny.gguf", tmp_path / "a-file", force=True, progress=False)
+    assert (tmp_path / "a-file").read_text() == "x"
 
 
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
