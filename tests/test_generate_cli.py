@@ -194,3 +194,27 @@ def test_draft_head_vocab_sets_the_draft_models_head(folder, capsys):
     rc, _, err = _run(folder, capsys, "--prompt", "w3", "-m", "2", "--draft-model", str(folder),
                       "--draft-head-vocab", "-1")
     assert rc == 2 and "--draft-head-vocab must be 0" in err
+
+
+def test_compare_counts_plain_and_speculative_runs_alike_and_not_the_cold_run_shown(monkeypatch, capsys):
+    """The run shown paid the speculative path's one-time costs: counting it (as an earlier
+    version did) biased the speed-up against speculation. Runs here report 10 tokens/s plain
+    and 20 speculative; the shown run 1: the speed-up must read 2.00x."""
+    from types import SimpleNamespace
+
+    import mlx_spec
+    from mlx_spec import generate_cli
+
+    calls = []
+
+    def fake(model, tokenizer, ids, drafter, **options):
+        calls.append((drafter is not None, options["max_tokens"]))
+        yield SimpleNamespace(token=7, stats=SimpleNamespace(generation_tps=20.0 if drafter else 10.0))
+
+    monkeypatch.setattr(mlx_spec, "stream_generate", fake)
+    first = SimpleNamespace(stats=SimpleNamespace(generation_tps=1.0))
+    generate_cli._compare(None, None, [1], object(), {"max_tokens": 16}, first, [7])
+    line = capsys.readouterr().out
+    assert "plain 10.00 tokens-per-sec, speculative 20.00 tokens-per-sec: 2.00x (same tokens" in line
+    counted = [spec for spec, n in calls if n == 16]
+    assert counted.count(True) == counted.count(False) == 2 and counted == counted[::-1]  # ABBA
