@@ -51,7 +51,13 @@ def read_config(folder: Path) -> dict:
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConversionError(f"{folder} has no config.json")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}): download it again") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path} holds a JSON {type(config).__name__}, not the object of a model config")
+    return config
 
 
 def read_tensors(folder: Path) -> dict:
@@ -61,32 +67,45 @@ def read_tensors(folder: Path) -> dict:
     folder = Path(folder)
     files = _weight_files(folder, "model.safetensors.index.json", "*.safetensors")
     if files:
-        weights = {}
-        for f in files:
-            shard = mx.load(str(f))
-            twice = sorted(set(shard) & set(weights))
-            if twice:
-                raise ConversionError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
-                                      f"({f.name} and another); remove the stray copy")
-            weights.update(shard)
-        return weights
+        return _merged(folder, files, lambda f: mx.load(str(f)))
     # Only the model's own .bin files: training_args.bin and optimizer states are not weights.
     bins = _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
     if bins:
         from .torch_bin import load_torch_bin
 
-        weights = {}
-        for f in bins:
-            weights.update(load_torch_bin(f))
-        return weights
+        return _merged(folder, bins, load_torch_bin)
     raise ConversionError(f"{folder} has no *.safetensors or *.bin weights")
+
+
+def _merged(folder: Path, files: list[Path], load) -> dict:
+    """Every tensor of `files`; a file that cannot be read, or a name in two files, is refused."""
+    weights = {}
+    for f in files:
+        try:
+            shard = load(f)
+        except ConversionError:
+            raise
+        except (RuntimeError, OSError) as e:  # MLX reports a damaged file as RuntimeError
+            from mlx_spec.load_errors import safetensors_problem
+
+            why = safetensors_problem(f) if f.suffix == ".safetensors" else None
+            raise ConversionError(f"{f} {why or f'cannot be read ({e})'}: download it again") from None
+        twice = sorted(set(shard) & set(weights))
+        if twice:
+            raise ConversionError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
+                                  f"({f.name} and another); remove the stray copy")
+        weights.update(shard)
+    return weights
 
 
 def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
     """The shards a sharded checkpoint's index lists, else every file matching `pattern`."""
     index = folder / index_name
     if index.is_file():
-        where = json.loads(index.read_text()).get("weight_map")
+        try:
+            where = json.loads(index.read_text()).get("weight_map")
+        except (ValueError, UnicodeDecodeError, AttributeError):
+            where = None
         if not isinstance(where, dict) or not where:
             raise ConversionError(f"{index}: no 'weight_map' naming the shards; download the checkpoint again")
         shards = sorted(set(where.values()))
@@ -101,12 +120,28 @@ def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:
     """Apply the first matching `(pattern, replacement)`; None drops the key on purpose."""
     from mlx_spec.weights import rename as apply_rules
 
-    out, unmapped = apply_rules(weights, table)
+    try:
+        out, unmapped = apply_rules(weights, table)
+    except ValueError as e:  # two keys renamed to one name
+        raise ConversionError(str(e)) from None
     if unmapped:
         raise ConversionError(
             f"{len(unmapped)} tensor(s) in the checkpoint match no known key, e.g. "
             f"{unmapped[:5]}; is this the right --format?"
         )
+    return out
+
+
+def rekey(weights: dict, name) -> dict:
+    """`weights` under the names `name(key)` gives; two keys given one name are refused (two
+    copies of one tensor in the checkpoint, e.g. with and without a prefix)."""
+    out, source = {}, {}
+    for key, value in weights.items():
+        new = name(key)
+        if new in out:
+            raise ConversionError(f"tensors {source[new]!r} and {key!r} both name {new!r}: the checkpoint "
+                                  "holds two copies of one tensor; remove the stray one")
+        out[new], source[new] = value, key
     return out
 
 

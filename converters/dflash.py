@@ -101,7 +101,8 @@ def read_target(target_folder) -> dict:
         )
     config = read_config(Path(target_folder).expanduser())
     # text fields may be nested (multimodal checkpoints); mlx-lm picks the class by the top-level type
-    text = {**config, **config.get("text_config", {}), "model_type": config.get("model_type")}
+    nested = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text = {**config, **nested, "model_type": config.get("model_type")}
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if not isinstance(text.get(key), int):
             raise ConversionError(f"--target {target_folder}: config.json has no {key}")
@@ -181,6 +182,9 @@ def network_fields(cfg: dict, target: dict, n_taps: int, windows, causal) -> dic
             "embeds its block with the target's embeddings, so the widths must match. "
             "Pass the --target the head was trained for."
         )
+    if cfg.get("target_hidden_size") not in (None, target["hidden_size"]):
+        raise ConversionError(f"the head reads a target {cfg['target_hidden_size']} wide, --target is "
+                              f"{target['hidden_size']}: pass the --target the head was trained for")
     return {
         "hidden_size": H, "intermediate_size": cfg["intermediate_size"],
         "num_hidden_layers": cfg["num_hidden_layers"], "num_attention_heads": nh,
@@ -189,7 +193,7 @@ def network_fields(cfg: dict, target: dict, n_taps: int, windows, causal) -> dic
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "attention_bias": bool(cfg.get("attention_bias", False)),
         **rope_fields(cfg),
-        "target_hidden_size": cfg.get("target_hidden_size") or target["hidden_size"],
+        "target_hidden_size": target["hidden_size"],
         "num_taps": n_taps, "layer_windows": windows, "layer_causal": causal,
     }
 
@@ -274,6 +278,10 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     if missing:
         raise ConversionError(f"a DFlash2 head needs dflash_config {list(DFLASH2_FIELDS)}; "
                               f"{missing} are missing")
+    small = [f"{k}={value(k)}" for k in DFLASH2_FIELDS if v2 and value(k) < 1]
+    if small:
+        raise ConversionError(f"dflash_config {', '.join(small)}: each of {list(DFLASH2_FIELDS)} must be "
+                              ">= 1; is this config.json damaged?")
 
     n_layers, n_target = cfg.get("num_hidden_layers"), target["num_hidden_layers"]
     if not isinstance(n_layers, int) or n_layers < 1:

@@ -78,5 +78,10 @@ def run(args: argparse.Namespace) -> int:
     except (ConversionError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (TypeError, AttributeError, KeyError) as e:  # a config field of another type than the format's
+        print(f"error: {args.src}: its config.json has a field this head format does not take, or "
+              f"of another type ({type(e).__name__}: {e}); check --format and the checkpoint",
+              file=sys.stderr)
+        return 2
     print(out)
     return 0

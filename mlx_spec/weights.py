@@ -9,14 +9,19 @@ def rename(weights: dict, table: list[tuple[str, str | None]]) -> tuple[dict, li
     """Apply the first matching `(pattern, replacement)` to each key; None drops it on purpose.
 
     Returns the renamed tensors and the keys no rule covered (the caller decides
-    how to report them: nothing is dropped silently).
+    how to report them: nothing is dropped silently). Two keys renamed to one name (aliases of
+    one tensor, e.g. with and without a `model.` prefix) are refused: one would overwrite the other.
     """
-    out, unmapped = {}, []
+    out, unmapped, source = {}, [], {}
     for key, value in weights.items():
         for pattern, repl in table:
             if re.fullmatch(pattern, key):
                 if repl is not None:
-                    out[re.sub(pattern, repl, key)] = value
+                    name = re.sub(pattern, repl, key)
+                    if name in source:
+                        raise ValueError(f"tensors {source[name]!r} and {key!r} both name {name!r}: the "
+                                         "checkpoint holds two copies of one tensor; remove the stray one")
+                    out[name], source[name] = value, key
                 break
         else:
             unmapped.append(key)
@@ -82,3 +87,13 @@ def check_fit(want: dict, weights: dict, what: str, hint: str, where: str = "",
             raise ValueError(f"{where}{what} tensor {key} has shape "
                              f"{tuple(weights[key].shape)}, expected {tuple(value.shape)} from "
                              f"the config; {hint}")
+        if _floating(value) and not _floating(weights[key]):
+            raise ValueError(f"{where}{what} tensor {key} is {weights[key].dtype}, not floating point "
+                             "(an FP8 or quantized tensor without its scales, read as raw bytes): "
+                             "use a checkpoint stored in bfloat16, float16 or float32, or dequantize it")
+
+
+def _floating(a) -> bool:
+    import mlx.core as mx
+
+    return mx.issubdtype(a.dtype, mx.floating)

@@ -185,3 +185,68 @@ def test_damaged_shard_layouts_are_named(tmp_path):
     (a / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ConversionError, match="no 'weight_map'"):
         read_tensors(a)
+
+
+def test_a_damaged_or_truncated_source_file_is_named_not_a_traceback(tmp_path):
+    from converters.common import read_config, read_tensors
+
+    eagle3_checkpoint(tmp_path / "src", 64, tiny.VOCAB)
+    f = tmp_path / "src" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ConversionError, match=r"model\.safetensors is truncated .*download it again"):
+        read_tensors(tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text("[1, 2]")
+    with pytest.raises(ConversionError, match="holds a JSON list, not the object of a model config"):
+        read_config(tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text("{not json")
+    with pytest.raises(ConversionError, match=r"config\.json is not valid JSON"):
+        read_config(tmp_path / "src")
+
+
+@pytest.mark.parametrize("alias", ["model. prefix", "midlayer / layers.0"])
+def test_two_copies_of_one_tensor_under_aliases_are_refused_not_merged(tmp_path, alias):
+    """A `model.`-prefixed copy beside the plain one, or `midlayer.*` beside `layers.0.*`, used to
+    collapse into one tensor, the last read winning (a zero copy could become the head's)."""
+    target = tiny.llama_model(layers=6)
+    tdir = target_folder(tmp_path / "target", target)
+    eagle3_checkpoint(tmp_path / "src", 64, tiny.VOCAB)
+    w = mx.load(str(tmp_path / "src" / "model.safetensors"))
+    if alias == "model. prefix":
+        w["model.fc.weight"] = mx.zeros_like(w["fc.weight"])
+    else:
+        key = next(k for k in w if k.startswith(("midlayer.", "layers.0.")))
+        other = "layers.0." + key[9:] if key.startswith("midlayer.") else "midlayer." + key[9:]
+        w[other] = mx.zeros_like(w[key])
+    mx.save_safetensors(str(tmp_path / "src" / "model.safetensors"), w)
+    with pytest.raises(ConversionError, match="both name .*two copies of one tensor"):
+        v3.convert(tmp_path / "src", tmp_path / "out", tdir)
+    assert not (tmp_path / "out").exists()
+
+
+def test_mtp_weights_read_as_raw_bytes_or_in_a_stray_file_are_refused(tmp_path):
+    src = mtp_checkpoints.write(tmp_path / "m", "qwen3_5")
+    prefix = module_prefix("qwen3_5", json.loads((src / "config.json").read_text()))
+    w = mx.load(str(src / "model.safetensors"))
+    proj = next(k for k in w if k.startswith(prefix) and k.endswith(".weight") and w[k].ndim == 2)
+    stray = {proj: mx.zeros_like(w[proj])}
+    mx.save_safetensors(str(src / "zz-extra.safetensors"), stray, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="in more than one weight file .*remove the stray copy"):
+        mtp.convert(src, tmp_path / "out", None)
+    (src / "zz-extra.safetensors").unlink()
+    w[proj] = mx.full(w[proj].shape, 56, mx.uint8)  # an FP8 byte pattern, without scales
+    mx.save_safetensors(str(src / "model.safetensors"), w, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="uint8, not floating point"):
+        mtp.convert(src, tmp_path / "out", None)
+    assert not (tmp_path / "out").exists()
+
+
+def test_dflash_settings_that_cannot_draft_are_refused_at_conversion(tmp_path, dflash_target):
+    w = S.network_weights(np.random.default_rng(0), 2, 2)
+    src = S.save_checkpoint(tmp_path / "src", S.zlab_config(2, [0, 2], 4, target_hidden_size=2 * S.H), w)
+    with pytest.raises(ConversionError, match=f"reads a target {2 * S.H} wide, --target is {S.H}"):
+        dflash.convert(src, tmp_path / "out", dflash_target)
+    cfg = S.zlab_config(2, [0, 2], 4)
+    cfg["dflash_config"].update(conv_kernel_size=3, conv_group_size=0, selector_rank=4, selector_top_k=2)
+    src = S.save_checkpoint(tmp_path / "src2", cfg, w)
+    with pytest.raises(ConversionError, match="conv_group_size=0: each of .* must be >= 1"):
+        dflash.convert(src, tmp_path / "out", dflash_target)

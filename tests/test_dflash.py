@@ -359,5 +359,5 @@ def test_bind_names_every_way_another_target_does_not_fit(tmp_path):
     with pytest.raises(ValueError, match=r"this DFlash head cannot draft for this target: reads target "
                        r"layers \[2\].*; 64 wide, but the target's embeddings are 32 wide; "
                        r"mask_token_id 95 is outside the target's vocabulary \(0..89\)\. "
-                       r"Convert the head again with --target"):
+                       r"Use a head made for this model"):
         d.bind(narrow, None)

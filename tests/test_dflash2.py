@@ -242,3 +242,13 @@ def test_bad_dflash2_checkpoints_are_refused(case):
     BAD[case][0](cfg, w)
     with pytest.raises(ConversionError, match=BAD[case][1]):
         conv.build(cfg, {k: mx.array(v) for k, v in w.items()}, tcfg)
+
+
+def test_a_dflash2_head_refuses_a_target_of_another_vocabulary(tmp_path):
+    """Its codebooks have one row per token of the target it was converted for: bound to a target
+    with a larger vocabulary it would look up rows past their end (it used to bind, and draft)."""
+    out, _ = head(tmp_path)
+    other, _ = S.qwen3_target(seed=1, vocab=4 * S.V)
+    d = load_drafter(out, target("qwen3-echo")[0])
+    with pytest.raises(ValueError, match=f"drafts over {S.V} tokens, but the target's vocabulary has {4 * S.V}"):
+        d.bind(other, None)

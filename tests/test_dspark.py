@@ -140,7 +140,7 @@ def test_bind_refuses_a_target_with_another_vocabulary(tmp_path):
     d = load_drafter(make_head(tmp_path, rank=16, trained=False)[0], echo_target()[0])
     other, _ = S.qwen3_target(seed=0, vocab=S.V + 4)
     with pytest.raises(ValueError, match=f"this DSpark head cannot draft for this target: drafts over {S.V} "
-                       f"tokens, but the target's vocabulary has {S.V + 4}. Convert the head again"):
+                       f"tokens, but the target's vocabulary has {S.V + 4}. Use a head made for this model"):
         d.bind(other, None)
 
 

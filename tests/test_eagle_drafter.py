@@ -173,4 +173,4 @@ def test_bind_refuses_another_target_naming_each_mismatch(tmp_path):
     assert msg.startswith("this EAGLE head cannot draft for this target: converted for another target "
                           "(num_hidden_layers: head made for 6, target has 2); ")
     assert f"reads target layers {deep}, but the target has 2 decoder layers (0..1)" in msg
-    assert msg.endswith("Convert the head again with --target pointing at this model.")
+    assert msg.endswith("convert it again with --target pointing here).") and "Use a head made for this model" in msg

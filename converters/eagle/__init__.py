@@ -28,6 +28,7 @@ from ..common import (
     HEAD_FORMAT_VERSION,
     ConversionError,
     read_config,
+    rekey,
     read_tensors,
     target_identity,
     write_head,
@@ -52,7 +53,9 @@ def target_config(target) -> dict:
         config = json.loads(Path(hf_hub_download(str(target), "config.json")).read_text())
     else:
         raise ConversionError(f"--target {target}: no such folder (and not a Hugging Face repo id)")
-    text = config.get("text_config", config)
+    if not isinstance(config, dict):
+        raise ConversionError(f"--target {target}: its config.json is not a JSON object")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     for key in ("hidden_size", "num_hidden_layers", "vocab_size"):
         if not isinstance(text.get(key, config.get(key)), int):
             raise ConversionError(f"--target {target}: its config.json has no {key}; is it a language model?")
@@ -127,7 +130,7 @@ def require(what: str, head_value, target_value, hint: str = "") -> None:
 
 def strip_model_prefix(weights: dict) -> dict:
     """Drop the `model.` prefix some repackaged checkpoints put on every non-head key."""
-    return {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    return rekey(weights, lambda k: k[len("model."):] if k.startswith("model.") else k)
 
 
 def layer_fields(cfg: dict, where: str) -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..common import ConversionError, check_shapes, rename
+from ..common import ConversionError, check_shapes, rekey, rename
 from . import (
     convert_with,
     flag, from_input_of_layer, from_output_of_layer, layer_fields, layer_shapes,
@@ -104,7 +104,7 @@ def build(cfg: dict, weights: dict, target: dict) -> tuple[dict, dict]:
     refuse_unsupported(cfg, weights)
     weights = strip_model_prefix(weights)
     lc, layout, n_layers = _layer_config(cfg, weights)
-    weights = {("layers.0." + k[9:] if k.startswith("midlayer.") else k): v for k, v in weights.items()}
+    weights = rekey(weights, lambda k: "layers.0." + k[9:] if k.startswith("midlayer.") else k)
     fields = layer_fields(lc, "config.json" if lc is cfg else "transformer_layer_config")
     H = fields["hidden_size"]
     head_H_t = cfg.get("target_hidden_size") or H

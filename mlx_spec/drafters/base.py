@@ -289,7 +289,8 @@ def target_args(model) -> dict:
 
 
 # The two remedies a target mismatch can have.
-RECONVERT = "Convert the head again with --target pointing at this model."
+RECONVERT = ("Use a head made for this model: a head trained for another model cannot draft for it "
+             "(if this is the model it was trained for, convert it again with --target pointing here).")
 SAME_WEIGHTS = "Use the weights of this very model: load the target from the folder that holds them."
 
 

@@ -41,16 +41,20 @@ import mlx.core as mx
 
 from ...sampling import Sampling
 from ...taps import decoder_stack, embedding, embedding_scale
-from ..base import MAX_DRAFT, Draft, SavesState, check_target, pick_block, target_lm_head
+from ..base import MAX_DRAFT, RECONVERT, Draft, SavesState, check_target, pick_block, target_lm_head
 from ..block_tree import check_budget, propose_tree, tree_verifiable
 from .net import BlockConfig, BlockContext, DFlashNet
 
 
 def check_block_target(model, cfg: BlockConfig, taps: tuple, what: str, vocab: int | None = None) -> None:
     """Refuse a target the block head does not fit: it embeds `[y, mask ...]` with the
-    target's own embeddings (so the widths must agree) and reads its layer taps."""
-    check_target(model, what, hidden_size=cfg.hidden_size, vocab=vocab, layers=taps,
-                 token_ids={"mask_token_id": cfg.mask_token_id})
+    target's own embeddings (so the widths must agree), reads its layer taps (as wide as its
+    embeddings), and a DFlash2 head's codebooks have a row per token of the target's vocabulary."""
+    if cfg.target_hidden_size != cfg.hidden_size:
+        raise ValueError(f"{what} reads target layers {cfg.target_hidden_size} wide but embeds with a "
+                         f"{cfg.hidden_size}-wide target embedding: its config.json is damaged; {RECONVERT}")
+    check_target(model, what, hidden_size=cfg.hidden_size, vocab=vocab if vocab is not None else cfg.vocab_size or None,
+                 layers=taps, token_ids={"mask_token_id": cfg.mask_token_id})
 
 
 def block_inputs(y: int, cfg: BlockConfig) -> mx.array:

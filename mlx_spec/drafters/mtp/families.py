@@ -142,16 +142,38 @@ def tensor_index(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 
 def _headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...], str | None]]:
-    """{name: (file, shape, the file's metadata "format")} for every *.safetensors."""
+    """{name: (file, shape, the file's metadata "format")} for the shards that
+    `model.safetensors.index.json` lists (all present), else every *.safetensors; a tensor
+    in two files, or a header that cannot be read, is refused by name."""
+    folder = Path(folder)
+    listed = folder / "model.safetensors.index.json"
+    if listed.is_file():
+        try:
+            shards = sorted(set(json.loads(listed.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{listed} is damaged (no 'weight_map' naming the shards): download it again") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise ValueError(f"{folder}: shard(s) {missing[:3]} listed in {listed.name} are missing: "
+                             "download them")
+        files = [folder / s for s in shards]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
     index = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        fmt = (header.get("__metadata__") or {}).get("format")
-        for name, info in header.items():
-            if name != "__metadata__":
-                index[name] = (f, tuple(info["shape"]), fmt)
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            fmt = (header.get("__metadata__") or {}).get("format")
+            entries = {k: (f, tuple(v["shape"]), fmt) for k, v in header.items() if k != "__metadata__"}
+        except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{f} has a damaged safetensors header: download it again") from None
+        twice = sorted(set(entries) & set(index))
+        if twice:
+            raise ValueError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
+                             f"({f.name} and {index[twice[0]][0].name}); remove the stray copy")
+        index.update(entries)
     return index
 
 
@@ -162,7 +184,12 @@ def load_tensors(index: dict, names) -> dict[str, mx.array]:
         by_file.setdefault(index[name][0], []).append(name)
     out = {}
     for f, keys in by_file.items():
-        arrays = mx.load(str(f))  # lazy: only the arrays used are read
+        try:
+            arrays = mx.load(str(f))  # lazy: only the arrays used are read
+        except RuntimeError as e:  # MLX checks every tensor's bounds against the file's size
+            from ...load_errors import safetensors_problem
+
+            raise ValueError(f"{f} {safetensors_problem(f) or f'cannot be read ({e})'}: download it again") from None
         out.update({k: arrays[k] for k in keys})
     return out
 
