@@ -25,9 +25,10 @@ DEFAULT_MAX_TOKENS = 100  # as mlx_lm.generate
 
 def add_cache_arguments(p) -> None:
     """mlx-lm's KV cache options (`generate` and `serve` take the same)."""
-    p.add_argument("--max-kv-size", type=int, default=None,
+    p.add_argument("--max-kv-size", type=ranged(int, 1), default=None,
                    help="keep at most this many positions in the KV cache (the first 4 stay), as mlx-lm")
-    p.add_argument("--kv-bits", type=int, default=None, help="quantize the KV cache to this many bits")
+    p.add_argument("--kv-bits", type=int, choices=(2, 3, 4, 5, 6, 8), default=None,
+                   help="quantize the KV cache to this many bits")
     p.add_argument("--kv-group-size", type=int, default=64, help="group size of KV cache quantization")
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="with --kv-bits, quantize the KV cache once it holds this many positions")
@@ -64,15 +65,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"the prompt text, or - to read stdin (default: {DEFAULT_PROMPT!r})")
     # what `mlx-spec launch` passes each rank for --prompt -: the text it read from stdin, as it is
     p.add_argument("--prompt-verbatim", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+    p.add_argument("--max-tokens", "-m", type=ranged(int, 1), default=DEFAULT_MAX_TOKENS,
                    help=f"most tokens to generate (default: {DEFAULT_MAX_TOKENS})")
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temp", type=ranged(float, 0), default=0.0)
+    p.add_argument("--top-p", type=ranged(float, 0, 1), default=1.0)
+    p.add_argument("--top-k", type=ranged(int, 0), default=0)
+    p.add_argument("--min-p", type=ranged(float, 0, 1), default=0.0)
     p.add_argument("--seed", type=int, default=None)
     add_cache_arguments(p)
-    p.add_argument("--prefill-step-size", type=int, default=2048,
+    p.add_argument("--prefill-step-size", type=ranged(int, 1), default=2048,
                    help="prompt tokens processed at a time (smaller: lower peak memory)")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="use the prompt as is, without the model's chat template")
@@ -91,9 +92,31 @@ def _k(value: str):
     if value == "auto":
         return value
     try:
-        return int(value)
+        k = int(value)
     except ValueError:
+        k = None
+    if k is None or not 1 <= k <= 16:
         raise argparse.ArgumentTypeError(f"expected an integer 1..16 or auto, got {value!r}")
+    return k
+
+
+def ranged(kind, low=None, high=None):
+    """An argparse type: `kind(value)` within [low, high] (either may be None), refused before
+    any model is loaded with a message that names the range."""
+    import math
+
+    def parse(value: str):
+        try:
+            x = kind(value)
+        except ValueError:
+            x = None
+        if x is None or (kind is float and not math.isfinite(x)) or (low is not None and x < low) \
+                or (high is not None and x > high):
+            span = (f"{low}..{high}" if high is not None else f">= {low}") if low is not None else f"<= {high}"
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'} "
+                                             f"{span}, got {value!r}")
+        return x
+    return parse
 
 
 def _bool(value: str) -> bool:

@@ -218,3 +218,25 @@ def test_compare_counts_plain_and_speculative_runs_alike_and_not_the_cold_run_sh
     assert "plain 10.00 tokens-per-sec, speculative 20.00 tokens-per-sec: 2.00x (same tokens" in line
     counted = [spec for spec, n in calls if n == 16]
     assert counted.count(True) == counted.count(False) == 2 and counted == counted[::-1]  # ABBA
+
+
+@pytest.mark.parametrize("command, flags, says", [
+    ("generate", ["--num-draft-tokens", "0"], "expected an integer 1..16 or auto, got '0'"),
+    ("generate", ["--num-draft-tokens", "17"], "expected an integer 1..16 or auto, got '17'"),
+    ("generate", ["--temp", "-1"], "--temp: expected a number >= 0, got '-1'"),
+    ("generate", ["--top-p", "2"], "--top-p: expected a number 0..1, got '2'"),
+    ("generate", ["--max-tokens", "0"], "expected an integer >= 1, got '0'"),
+    ("generate", ["--kv-bits", "7"], "--kv-bits: invalid choice: 7"),
+    ("serve", ["--num-draft-tokens", "0"], "expected an integer 1..16 or auto, got '0'"),
+    ("serve", ["--port", "99999"], "--port: expected an integer 0..65535, got '99999'"),
+])
+def test_settings_out_of_range_are_refused_before_any_model_loads(monkeypatch, capsys, command, flags, says):
+    """(A server with --num-draft-tokens 0 used to start, then refuse every request naming a
+    field its clients never sent; generate printed its header before the error.)"""
+    import mlx_spec
+
+    monkeypatch.setattr(mlx_spec, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        cli.main([command, "--model", "nowhere", *flags])
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and says in err and out == ""

@@ -19,7 +19,7 @@ import importlib.util
 import sys
 
 from ..generate_cli import (DEFAULT_MODEL, WITH_DRAFT_MODEL, _k, add_cache_arguments, add_dist_timeout,
-                            add_draft_model_arguments)
+                            add_draft_model_arguments, ranged)
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default draft length: 1..16, or auto (default); requests may set their own")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (default: 8080; 0 picks a free one)")
+    p.add_argument("--port", type=ranged(int, 0, 65535), default=8080,
+                   help="port (default: 8080; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
                    help="require this key (Authorization: Bearer KEY or x-api-key: KEY)")
     p.add_argument("--max-batch", type=int, default=4,
