@@ -18,6 +18,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 
 from .batch import BatchDecoder
 from .drafters.base import Drafter
+from .request import whole
 from .rows import Response
 from .stats import SpecStats
 
@@ -86,6 +87,10 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
     else:
         raise TypeError(f"drafter must be None, a drafter or a function making one, got "
                         f"{type(drafter).__name__}")
+    if isinstance(prompts, (str, mx.array)) or (len(prompts) and all(whole(p) for p in prompts)):
+        raise TypeError("prompts must be a list of prompts (each a string or a list of token ids), got "
+                        f"{'one string' if isinstance(prompts, str) else 'one prompt'}: pass [prompt], or use "
+                        "generate / stream_generate for a single prompt")
     seeds = options.pop("seed", None)
     if not isinstance(seeds, (list, tuple)):
         seeds = [seeds] * len(prompts)
@@ -93,9 +98,14 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
         raise ValueError(f"seed is a list of {len(seeds)} seeds for {len(prompts)} prompts; "
                          "give one per prompt, or one int for all")
     decoder = BatchDecoder(model, tokenizer, max_batch=max_batch)
-    uids = [decoder.add(p, make(), seed=s, **options) for p, s in zip(prompts, seeds)]
-    texts, tokens, stats = ({u: "" for u in uids}, {u: [] for u in uids}, {})
+    uids, texts, tokens, stats = [], {}, {}, {}
     try:
+        for i, (p, s) in enumerate(zip(prompts, seeds)):
+            try:
+                uids.append(decoder.add(p, make(), seed=s, **options))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            texts[uids[-1]], tokens[uids[-1]] = "", []
         with wired_limit(model, [generation_stream]):
             while decoder.busy:
                 for uid, block in decoder.step():

@@ -292,3 +292,16 @@ def test_a_row_released_before_its_caller_saw_a_token_leaves_the_prompt_cache_as
         assert {c.offset for c in cache} == {0}
         want = mlx_spec.generate(model, tiny.tokenizer(), [5, 6, 7, 8], None, max_tokens=6)
         assert mlx_spec.generate(model, tiny.tokenizer(), [5, 6, 7, 8], None, max_tokens=6, prompt_cache=cache) == want
+
+
+def test_batch_generate_refuses_one_prompt_for_a_list_and_names_a_bad_prompt():
+    """A single string was decoded as one prompt per character (and one list of token ids as a
+    prompt per id); an empty prompt among several was refused without saying which."""
+    model, tok = tiny.llama_model(), tiny.tokenizer()
+    for one in ("w5 w6", [5, 6, 7]):
+        with pytest.raises(TypeError, match="prompts must be a list of prompts"):
+            mlx_spec.batch_generate(model, tok, one, None, max_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        mlx_spec.batch_generate(model, tok, [[5, 6], []], None, max_tokens=2)
+    assert mlx_spec.batch_generate(model, tok, [[5, 6]], None, max_tokens=2).tokens[0] == \
+        mlx_spec.batch_generate(model, tok, [[5, 6], [7]], None, max_tokens=2).tokens[0]
