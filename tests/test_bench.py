@@ -485,6 +485,7 @@ def test_chart_is_skipped_with_a_hint_without_matplotlib(monkeypatch, tmp_path):
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--load", "missing.json"], "--load missing.json: no such file"),
     (["--drafter", "."], "--drafter .: name the method that runs it"),
+    (["--out", __file__], r"--out .* is a file; the results go in a folder"),  # (found after the run)
 ])
 def test_bad_bench_flags_get_one_error_line_before_any_model_is_loaded(flags, message, capsys, monkeypatch):
     monkeypatch.setattr("mlx_spec.bench.cli._measure", lambda args: pytest.fail("a model was loaded"))
@@ -504,3 +505,22 @@ def test_a_drafter_gets_its_heads_method_and_a_bare_name_keeps_its_sweep(tmp_pat
     ctx = methods.Context(model=None, tokenizer=None)
     plan = methods.plan_variants(["baseline", "ngram@8", "ngram"], [2, "auto"], ctx)
     assert [v.label for v in plan.variants] == ["baseline", "ngram@2", "ngram@auto", "ngram@8"]
+
+
+def test_sampling_out_of_range_and_a_draft_model_of_another_vocabulary_get_one_error_line(capsys, monkeypatch):
+    """--temp -1 used to fail after the warm-ups, and a draft model that cannot draft for the
+    target with a traceback."""
+    import mlx_spec
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", "no-such-model", "--temp", "-1"])
+    assert "--temp: expected a number >= 0, got '-1'" in capsys.readouterr().err
+    pair = {"target": (tiny.llama_model(seed=0), tiny.tokenizer()),
+            "draft": (tiny.llama_model(seed=0, layers=1, vocab=2 * tiny.VOCAB), tiny.tokenizer(2 * tiny.VOCAB))}
+    monkeypatch.setattr(mlx_spec, "load", lambda name: pair[name])
+    monkeypatch.setattr("mlx_spec.bench.cli.resolve_model", lambda name, dtype: name)
+    assert cli.main(["bench", "--model", "target", "--draft-model", "draft", "--methods", "baseline,draft",
+                     "--suites", "chat", "--max-tokens", "4", "--num-draft-tokens", "2", "--cost-repeats", "0",
+                     "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "vocabular" in err and "Traceback" not in err, err

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..generate_cli import add_dist_timeout
+from ..generate_cli import add_dist_timeout, ranged
 
 DEFAULTS = {  # sized so the default run on SmolLM2-135M takes a few minutes on a CPU
     "model": "smollm2-135m-instruct",
@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed rounds over all prompts (default 1)")
     p.add_argument("--prompts-per-suite", type=int, default=1,
                    help="first N prompts of each suite (default 1; 0 = all)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--temp", type=ranged(float, 0), default=0.0, help="sampling temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=ranged(float, 0, 1), default=1.0)
+    p.add_argument("--top-k", type=ranged(int, 0), default=0)
+    p.add_argument("--min-p", type=ranged(float, 0, 1), default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every method; greedy runs are unseeded)")
     p.add_argument("--cost-repeats", type=int, default=3,
                    help="timed passes for the verify cost curve (0 skips it)")
@@ -89,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = _measure(args)
+    try:
+        result = _measure(args)
+    except ValueError as e:  # a drafter that cannot draft for this target (vocabulary, shapes)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.shard is None:
         return _report(result, args, Path(args.out))
     from ..distributed import barrier
@@ -127,6 +131,9 @@ def _check(args) -> None:
                              ("--max-tokens", args.max_tokens, 1)):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    out = Path(args.out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out} is a file; the results go in a folder: give a folder path")
     if args.drafter is not None and not any(n.partition("@")[0] in HEADS for n in names):
         config = Path(args.drafter).expanduser() / "config.json"
         kind = json.loads(config.read_text()).get("mlx_spec", {}).get("drafter") if config.is_file() else None
