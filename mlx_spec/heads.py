@@ -101,8 +101,12 @@ def load_drafter(path: str | Path, model, kind: str | None = None, **options):
     if kind == "mtp" and any(k.startswith("dspark_") for k in text):
         raise ValueError(f"{folder} carries DeepSeek-V4 DSpark stages under mtp.*, not an MTP "
                          "block: use kind 'dspark' (--draft dspark)")
+    if kind is not None:
+        raise ValueError(f"{folder} carries no {wanted} (model type {config.get('model_type')!r}): use "
+                         "another drafter (ngram, a draft model with --draft-model, or a converted head)")
     raise ValueError(
-        f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) "
-        f"nor a target checkpoint with {wanted}; convert a head with "
-        "`mlx-spec convert head`"
+        f"{folder} is neither a converted head (no 'mlx_spec' block in config.json) nor a target "
+        f"checkpoint with {wanted}. A small model of the target's family drafts as a draft model "
+        "(--draft-model, or draft_model= in Python); an EAGLE, DFlash or DSpark head needs "
+        "`mlx-spec convert head` first"
     )

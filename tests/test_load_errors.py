@@ -200,3 +200,16 @@ def test_the_fix_follows_where_the_folder_came_from(good, tmp_path):
     zoo._write_marker(entry, zoo.MODELS["gemma-3-270m"], "bfloat16")
     assert fix_for(entry) == (f"fetch it again: `mlx-spec fetch-model gemma-3-270m --force "
                               f"--dtype bfloat16 --cache-dir {tmp_path / 'cache'}`")
+
+
+def test_a_plain_model_given_as_a_head_points_at_draft_model(tmp_path):
+    """A small model of the target's family given as --draft (a head) is the commonest mix-up;
+    --draft mtp on a model without MTP weights says so rather than asking for a conversion."""
+    import tiny
+
+    folder = tiny.model_folder(tmp_path / "small", layers=1)
+    model = tiny.llama_model()
+    with pytest.raises(ValueError, match=r"drafts as a draft model \(--draft-model"):
+        mlx_spec.load_drafter(folder, model)
+    with pytest.raises(ValueError, match=r"carries no mtp weights \(model type 'llama'\): use another drafter"):
+        mlx_spec.load_drafter(folder, model, kind="mtp")

@@ -118,8 +118,8 @@ class DraftModelDrafter(SavesState, PlansTrees):
         elif v_t != v_d:
             raise ValueError(
                 f"vocabulary mismatch: the target has {v_t} token ids, the draft model "
-                f"{v_d}. The draft must use the target's tokenizer (pass "
-                "draft_tokenizer= to have the two compared token by token)."
+                f"{v_d}. The draft must use the target's tokenizer (a DraftModelDrafter(draft, "
+                "draft_tokenizer) compares the two tokenizers token by token)."
             )
         self._v_target, self._v_draft = v_t, v_d
         self.cache = make_cache(self.model)
