@@ -134,7 +134,11 @@ def prompt_text(args: argparse.Namespace) -> str:
     if args.prompt_verbatim is not None:
         return args.prompt_verbatim
     prompt = args.prompt.replace("\\n", "\n").replace("\\t", "\t")
-    return sys.stdin.read() if prompt == "-" else prompt
+    text = sys.stdin.read() if prompt == "-" else prompt
+    if not text.strip():  # (an empty pipe too: answering an empty turn would hide it)
+        raise ValueError("the prompt is empty" + (" (nothing came on stdin)" if prompt == "-" else "")
+                         + ": give some text with --prompt")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

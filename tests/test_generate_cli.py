@@ -240,3 +240,13 @@ def test_settings_out_of_range_are_refused_before_any_model_loads(monkeypatch, c
         cli.main([command, "--model", "nowhere", *flags])
     out, err = capsys.readouterr()
     assert e.value.code == 2 and says in err and out == ""
+
+
+def test_an_empty_prompt_or_an_empty_pipe_is_an_error_not_an_answer_to_nothing(folder, capsys, monkeypatch):
+    rc, out, err = _run(folder, capsys, "--prompt", "")
+    assert rc == 2 and "the prompt is empty: give some text" in err and out == ""
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    rc, out, err = _run(folder, capsys, "--prompt", "-")
+    assert rc == 2 and "(nothing came on stdin)" in err and out == ""
+    monkeypatch.setattr("sys.stdin", io.StringIO("w3 w4"))
+    assert _run(folder, capsys, "--prompt", "-", "-m", "2")[0] == 0
