@@ -73,7 +73,8 @@ def load(path_or_repo: "str | os.PathLike", lazy: bool = False):
     if not path.exists() and not looks_like_repo:
         raise ModelFileNotFoundError(
             path_or_repo, "is neither a folder nor a Hugging Face repo id ('org/name')",
-            "give a model folder (with config.json), a repo id, or (on the command line) a zoo name",
+            "give a model folder (with config.json), a repo id, or (on the command line) a zoo name: "
+            + ", ".join(_zoo_names()),
         )
     with explained(path_or_repo, "model"):
         if not path.exists():
@@ -88,3 +89,9 @@ def load(path_or_repo: "str | os.PathLike", lazy: bool = False):
 
 
 __all__ = ["load", *_EXPORTS]
+
+
+def _zoo_names() -> list[str]:
+    from .zoo import MODELS
+
+    return list(MODELS)

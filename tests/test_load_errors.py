@@ -163,6 +163,8 @@ def test_load_raises_model_load_error_which_old_handlers_still_catch(good, tmp_p
         mlx_spec.load(str(folder))
     with pytest.raises(FileNotFoundError, match="neither a folder nor a Hugging Face repo id"):
         mlx_spec.load(str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="a zoo name: smollm2-135m-instruct, "):  # a typo'd name
+        mlx_spec.load("smollm2")
 
 
 def test_head_errors_that_are_not_about_files_pass_through_unchanged(good, tmp_path):
