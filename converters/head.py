@@ -29,7 +29,8 @@ FORMATS: dict[str, str] = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", help="checkpoint folder or Hugging Face repo id")
     parser.add_argument("out", type=Path, help="output folder (must not exist unless --force)")
-    parser.add_argument("--target", help="the target model folder the head drafts for")
+    parser.add_argument("--target", help="the target the head drafts for: a model folder, Hugging Face "
+                        "repo id or zoo name")
     parser.add_argument("--format", default="auto", help="auto (default) or one of: " + ", ".join(FORMATS))
     parser.add_argument("-q", "--quantize", action="store_true", help="quantize the head's Linear weights")
     parser.add_argument("--q-bits", type=int, default=4, choices=(4, 8))
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"unknown --format {fmt!r}; known: auto, {', '.join(FORMATS)}")
         module = importlib.import_module(FORMATS[fmt])
         out = module.convert(
-            src, args.out, args.target,
+            src, args.out, _zoo_or(args.target),
             quantize_bits=args.q_bits if args.quantize else None,
             group_size=args.q_group_size, force=args.force,
         )
@@ -85,3 +86,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(out)
     return 0
+
+
+def _zoo_or(target: str | None) -> str | None:
+    """A zoo name as its (fetched) folder, as every other command takes it; else as given."""
+    from mlx_spec import zoo
+
+    if target not in zoo.MODELS:
+        return target
+    try:
+        return str(zoo.fetch(target))
+    except zoo.ZooError as e:
+        raise ValueError(f"--target {target}: {e}") from None

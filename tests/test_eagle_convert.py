@@ -293,3 +293,14 @@ def test_recognised_but_unsupported_layouts_say_why(tmp_path, tgt, make, fmt, ma
 def test_layer0_input_norm_is_refused_outside_hass(tmp_path, tgt):
     eagle1_checkpoint(tmp_path / "src", H, V, first_norm=True)
     _bad(tmp_path, tgt, "eagle", "layer 0 has an input_layernorm, which EAGLE-1/2 heads lack")
+
+
+def test_convert_head_takes_a_zoo_name_for_its_target(tmp_path, tgt, monkeypatch, capsys):
+    from mlx_spec import zoo
+
+    asked = []
+    monkeypatch.setattr(zoo, "fetch", lambda name: asked.append(name) or tgt)
+    eagle1_checkpoint(tmp_path / "src", H, V)
+    argv = ["convert", "head", str(tmp_path / "src"), str(tmp_path / "out"), "--target", "smollm2-135m-instruct"]
+    assert cli_main(argv) == 0, capsys.readouterr().err
+    assert asked == ["smollm2-135m-instruct"] and (tmp_path / "out" / "config.json").is_file()
