@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
 
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         from .fastblas import restart_with_fast_blas
 
         restart_with_fast_blas(["-m", "mlx_spec", *sys.argv[1:]])
+        # transformers (imported by mlx-lm for its tokenizers) advises installing PyTorch on
+        # import; nothing here uses PyTorch, so that line would only mislead
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
