@@ -165,7 +165,12 @@ def test_a_full_queue_answers_429_and_a_waiting_client_that_leaves_frees_its_pla
         wait_for(lambda: s.engine.waiting == 1, what="a waiting request")
         status, error = post(s.port, "/v1/chat/completions", body)
         assert status == 429 and error["error"]["type"] == "rate_limit_error"
-        assert "--max-queue 1" in error["error"]["message"]
+        assert "all 1 places are taken (--max-batch) and 1 requests already wait (--max-queue 1)" in \
+            error["error"]["message"]
+        s.engine.max_queue = 0  # none may wait: the message says so (it read "0 requests are waiting")
+        status, error = post(s.port, "/v1/chat/completions", body)
+        assert status == 429 and "--max-queue 0 lets no request wait" in error["error"]["message"]
+        s.engine.max_queue = 1
         waiting.close()
         wait_for(lambda: s.engine.waiting == 0, timeout=5, what="the waiting request to leave")
         assert s.engine.running == 1  # the first one decodes on

@@ -124,8 +124,10 @@ class Engine:
                 raise Closing()
             free = max(0, self.max_batch - len(self._runs))  # jobs that join at the next step
             if len(self._waiting) - free >= self.max_queue:
-                raise QueueFull(f"{len(self._waiting) - free} requests are already waiting for a place "
-                                f"(--max-batch {self.max_batch}, --max-queue {self.max_queue}); retry later")
+                raise QueueFull(f"all {self.max_batch} places are taken (--max-batch) and " + (
+                    "--max-queue 0 lets no request wait" if self.max_queue == 0 else
+                    f"{len(self._waiting) - free} requests already wait (--max-queue {self.max_queue})")
+                    + "; retry later")
             self._waiting.append(job)
             self._cond.notify()
 
