@@ -132,6 +132,16 @@ def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:
     return out
 
 
+def int_fields(cfg: dict, where: str, required: tuple, optional: tuple = ("num_key_value_heads", "head_dim")) -> None:
+    """Refuse a config whose `required` fields are not positive integers, or whose `optional`
+    ones are given as anything else (a "2" read as a string would multiply, not count)."""
+    bad = [k for k in required if not (isinstance(cfg.get(k), int) and cfg[k] > 0)]
+    bad += [k for k in optional if cfg.get(k) is not None and not (isinstance(cfg[k], int) and cfg[k] > 0)]
+    if bad:
+        raise ConversionError(f"{where}: {', '.join(f'{k}={cfg.get(k)!r}' for k in bad)} must be positive "
+                              "integers; is it the head's own config.json, undamaged?")
+
+
 def rekey(weights: dict, name) -> dict:
     """`weights` under the names `name(key)` gives; two keys given one name are refused (two
     copies of one tensor in the checkpoint, e.g. with and without a prefix)."""

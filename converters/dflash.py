@@ -30,7 +30,7 @@ from pathlib import Path
 from mlx_spec.taps import EMBED
 
 from .common import (
-    HEAD_FORMAT_VERSION, ConversionError, check_shapes, read_config, read_tensors, rename,
+    HEAD_FORMAT_VERSION, ConversionError, check_shapes, int_fields, read_config, read_tensors, rename,
     target_identity, write_head,
 )
 
@@ -171,10 +171,8 @@ def layer_attention(cfg: dict, n_layers: int, causal_override=None) -> tuple[lis
 
 def network_fields(cfg: dict, target: dict, n_taps: int, windows, causal) -> dict:
     """The BlockConfig fields of a head (mlx_spec.drafters.dflash.BlockConfig)."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                           "num_hidden_layers") if not isinstance(cfg.get(k), int)]
-    if missing:
-        raise ConversionError(f"the head's config.json lacks {missing}")
+    int_fields(cfg, "the head's config.json", ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                "num_hidden_layers"))
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     if H != target["hidden_size"]:
         raise ConversionError(

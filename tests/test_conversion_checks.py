@@ -250,3 +250,18 @@ def test_dflash_settings_that_cannot_draft_are_refused_at_conversion(tmp_path, d
     src = S.save_checkpoint(tmp_path / "src2", cfg, w)
     with pytest.raises(ConversionError, match="conv_group_size=0: each of .* must be >= 1"):
         dflash.convert(src, tmp_path / "out", dflash_target)
+
+
+def test_config_counts_given_as_strings_are_refused_by_name(tmp_path, dflash_target):
+    """A "2" (a string) for num_key_value_heads used to reach the shape table ('2222...')."""
+    target = tiny.llama_model(layers=6)
+    tdir = target_folder(tmp_path / "target", target)
+    eagle3_checkpoint(tmp_path / "src", 64, tiny.VOCAB)
+    cfg = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": "2"}))
+    with pytest.raises(ConversionError, match="num_key_value_heads='2' must be positive integers"):
+        v3.convert(tmp_path / "src", tmp_path / "out", tdir)
+    dcfg = {**S.zlab_config(2, [0, 2], 4), "head_dim": "16"}
+    src = S.save_checkpoint(tmp_path / "dsrc", dcfg, S.network_weights(np.random.default_rng(0), 2, 2))
+    with pytest.raises(ConversionError, match="head_dim='16' must be positive integers"):
+        dflash.convert(src, tmp_path / "dout", dflash_target)

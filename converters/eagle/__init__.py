@@ -27,6 +27,7 @@ from mlx_spec.taps import EMBED
 from ..common import (
     HEAD_FORMAT_VERSION,
     ConversionError,
+    int_fields,
     read_config,
     rekey,
     read_tensors,
@@ -135,9 +136,7 @@ def strip_model_prefix(weights: dict) -> dict:
 
 def layer_fields(cfg: dict, where: str) -> dict:
     """The head's decoder-layer fields (mlx_spec.drafters.layers.LayerArgs) from an HF config."""
-    missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads") if not isinstance(cfg.get(k), int)]
-    if missing:
-        raise ConversionError(f"{where} lacks {', '.join(missing)}; is it an EAGLE head config?")
+    int_fields(cfg, where, ("hidden_size", "intermediate_size", "num_attention_heads"))
     H, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     rope = cfg.get("rope_parameters") or {}  # newer transformers nest rope settings here
     scaling = cfg.get("rope_scaling")
