@@ -64,56 +64,30 @@ def read_tensors(folder: Path) -> dict:
     """Every tensor of the checkpoint in `folder`, as MLX arrays (lazily loaded)."""
     import mlx.core as mx
 
+    from mlx_spec.weights import merged_shards, shard_files
+
     folder = Path(folder)
-    files = _weight_files(folder, "model.safetensors.index.json", "*.safetensors")
+    files = shard_files(folder, "model.safetensors.index.json", "*.safetensors", ConversionError)
     if files:
-        return _merged(folder, files, lambda f: mx.load(str(f)))
+        return merged_shards(folder, files, lambda f: _read(f, lambda: mx.load(str(f))), ConversionError)
     # Only the model's own .bin files: training_args.bin and optimizer states are not weights.
-    bins = _weight_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin")
+    bins = shard_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin", ConversionError)
     if bins:
         from .torch_bin import load_torch_bin
 
-        return _merged(folder, bins, load_torch_bin)
+        return merged_shards(folder, bins, lambda f: _read(f, lambda: load_torch_bin(f)), ConversionError)
     raise ConversionError(f"{folder} has no *.safetensors or *.bin weights")
 
 
-def _merged(folder: Path, files: list[Path], load) -> dict:
-    """Every tensor of `files`; a file that cannot be read, or a name in two files, is refused."""
-    weights = {}
-    for f in files:
-        try:
-            shard = load(f)
-        except ConversionError:
-            raise
-        except (RuntimeError, OSError) as e:  # MLX reports a damaged file as RuntimeError
-            from mlx_spec.load_errors import safetensors_problem
+def _read(f: Path, load) -> dict:
+    """`load()`, with a file that cannot be read named (MLX reports a damaged one as RuntimeError)."""
+    try:
+        return load()
+    except (RuntimeError, OSError) as e:
+        from mlx_spec.load_errors import safetensors_problem
 
-            why = safetensors_problem(f) if f.suffix == ".safetensors" else None
-            raise ConversionError(f"{f} {why or f'cannot be read ({e})'}: download it again") from None
-        twice = sorted(set(shard) & set(weights))
-        if twice:
-            raise ConversionError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
-                                  f"({f.name} and another); remove the stray copy")
-        weights.update(shard)
-    return weights
-
-
-def _weight_files(folder: Path, index_name: str, pattern: str) -> list[Path]:
-    """The shards a sharded checkpoint's index lists, else every file matching `pattern`."""
-    index = folder / index_name
-    if index.is_file():
-        try:
-            where = json.loads(index.read_text()).get("weight_map")
-        except (ValueError, UnicodeDecodeError, AttributeError):
-            where = None
-        if not isinstance(where, dict) or not where:
-            raise ConversionError(f"{index}: no 'weight_map' naming the shards; download the checkpoint again")
-        shards = sorted(set(where.values()))
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise ConversionError(f"{folder}: shard(s) {missing[:3]} listed in {index_name} are missing")
-        return [folder / s for s in shards]
-    return sorted(folder.glob(pattern))
+        why = safetensors_problem(f) if f.suffix == ".safetensors" else None
+        raise ConversionError(f"{f} {why or f'cannot be read ({e})'}: download it again") from None
 
 
 def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:

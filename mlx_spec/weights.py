@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 
 def rename(weights: dict, table: list[tuple[str, str | None]]) -> tuple[dict, list[str]]:
@@ -26,6 +28,40 @@ def rename(weights: dict, table: list[tuple[str, str | None]]) -> tuple[dict, li
         else:
             unmapped.append(key)
     return out, unmapped
+
+
+def shard_files(folder: Path, index_name: str, pattern: str, error: type = ValueError) -> list[Path]:
+    """The shards a sharded checkpoint's index (`index_name`) lists, all present, else every file
+    of `folder` matching `pattern`; a damaged index or a missing shard is refused by name."""
+    index = folder / index_name
+    if not index.is_file():
+        return sorted(folder.glob(pattern))
+    try:
+        where = json.loads(index.read_text()).get("weight_map")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        where = None
+    if not isinstance(where, dict) or not where:
+        raise error(f"{index}: no 'weight_map' naming the shards; download the checkpoint again")
+    shards = sorted(set(where.values()))
+    missing = [s for s in shards if not (folder / s).is_file()]
+    if missing:
+        raise error(f"{folder}: shard(s) {missing[:3]} listed in {index_name} are missing: download them")
+    return [folder / s for s in shards]
+
+
+def merged_shards(folder: Path, files: list[Path], read, error: type = ValueError) -> dict:
+    """`read(file)` of every file, merged; a name in two files is refused (a stray copy would
+    otherwise replace the real tensor, whichever file is read last)."""
+    out, where = {}, {}
+    for f in files:
+        part = read(f)
+        twice = sorted(set(part) & set(out))
+        if twice:
+            raise error(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file ({f.name} and "
+                        f"{where[twice[0]].name}); remove the stray copy")
+        out.update(part)
+        where.update(dict.fromkeys(part, f))
+    return out
 
 
 def fp8_tile(weight: tuple, scale: tuple) -> int | None:

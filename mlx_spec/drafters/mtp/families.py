@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...weights import rename
+from ...weights import merged_shards, rename, shard_files
 
 
 @dataclass(frozen=True)
@@ -146,35 +146,19 @@ def _headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...], str | None]
     `model.safetensors.index.json` lists (all present), else every *.safetensors; a tensor
     in two files, or a header that cannot be read, is refused by name."""
     folder = Path(folder)
-    listed = folder / "model.safetensors.index.json"
-    if listed.is_file():
-        try:
-            shards = sorted(set(json.loads(listed.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{listed} is damaged (no 'weight_map' naming the shards): download it again") from None
-        missing = [s for s in shards if not (folder / s).is_file()]
-        if missing:
-            raise ValueError(f"{folder}: shard(s) {missing[:3]} listed in {listed.name} are missing: "
-                             "download them")
-        files = [folder / s for s in shards]
-    else:
-        files = sorted(folder.glob("*.safetensors"))
-    index = {}
-    for f in files:
-        try:
-            with open(f, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                header = json.loads(fh.read(n))
-            fmt = (header.get("__metadata__") or {}).get("format")
-            entries = {k: (f, tuple(v["shape"]), fmt) for k, v in header.items() if k != "__metadata__"}
-        except (struct.error, ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{f} has a damaged safetensors header: download it again") from None
-        twice = sorted(set(entries) & set(index))
-        if twice:
-            raise ValueError(f"{folder}: tensor(s) {twice[:3]} are in more than one weight file "
-                             f"({f.name} and {index[twice[0]][0].name}); remove the stray copy")
-        index.update(entries)
-    return index
+    files = shard_files(folder, "model.safetensors.index.json", "*.safetensors")
+    return merged_shards(folder, files, _header)
+
+
+def _header(f: Path) -> dict:
+    try:
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        fmt = (header.get("__metadata__") or {}).get("format")
+        return {k: (f, tuple(v["shape"]), fmt) for k, v in header.items() if k != "__metadata__"}
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+        raise ValueError(f"{f} has a damaged safetensors header: download it again") from None
 
 
 def load_tensors(index: dict, names) -> dict[str, mx.array]:
