@@ -174,6 +174,10 @@ def refuse_existing(out_dir: Path, force: bool, error: type = ConversionError) -
     if not (out_dir / "config.json").is_file() and any(out_dir.iterdir()):
         raise error(f"{out_dir} is not an earlier output (no config.json) and is not empty; --force "
                     "would delete what it holds, so it replaces only earlier outputs: choose a new folder")
+    run = [n for n in ("train.json", "data.jsonl", "checkpoint.safetensors") if (out_dir / n).exists()]
+    if run:
+        raise error(f"{out_dir} holds a training run ({', '.join(run)}); --force never replaces one: "
+                    "choose a new folder")
 
 
 @contextlib.contextmanager

@@ -78,8 +78,8 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
     """Generate for several prompts at once: rows verified in one forward, each keeping its
     own accepted prefix (`BatchDecoder`). `drafter` is None, a function returning a new
     drafter for each prompt, or a drafter whose `fork()` gives each prompt its own state.
-    `options` as `stream_generate`'s, for every prompt; `seed` may also be a list, one seed
-    per prompt (one seed for all gives identical prompts identical samples)."""
+    `options` as `stream_generate`'s, for every prompt; `seed` and `max_tokens` may also be
+    lists, one value per prompt (one seed for all gives identical prompts identical samples)."""
     if drafter is None or hasattr(drafter, "propose"):
         make = (lambda: None) if drafter is None else drafter.fork
     elif callable(drafter):
@@ -91,18 +91,19 @@ def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_bat
         raise TypeError("prompts must be a list of prompts (each a string or a list of token ids), got "
                         f"{'one string' if isinstance(prompts, str) else 'one prompt'}: pass [prompt], or use "
                         "generate / stream_generate for a single prompt")
-    seeds = options.pop("seed", None)
-    if not isinstance(seeds, (list, tuple)):
-        seeds = [seeds] * len(prompts)
-    elif len(seeds) != len(prompts):
-        raise ValueError(f"seed is a list of {len(seeds)} seeds for {len(prompts)} prompts; "
-                         "give one per prompt, or one int for all")
+    each = {}  # options given one value per prompt
+    for name in ("seed", "max_tokens"):
+        if isinstance(options.get(name), (list, tuple)):
+            each[name] = options.pop(name)
+            if len(each[name]) != len(prompts):
+                raise ValueError(f"{name} is a list of {len(each[name])} values for {len(prompts)} prompts; "
+                                 "give one per prompt, or one value for all")
     decoder = BatchDecoder(model, tokenizer, max_batch=max_batch)
     uids, texts, tokens, stats = [], {}, {}, {}
     try:
-        for i, (p, s) in enumerate(zip(prompts, seeds)):
+        for i, p in enumerate(prompts):
             try:
-                uids.append(decoder.add(p, make(), seed=s, **options))
+                uids.append(decoder.add(p, make(), **options, **{k: v[i] for k, v in each.items()}))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             texts[uids[-1]], tokens[uids[-1]] = "", []

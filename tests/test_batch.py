@@ -305,3 +305,11 @@ def test_batch_generate_refuses_one_prompt_for_a_list_and_names_a_bad_prompt():
         mlx_spec.batch_generate(model, tok, [[5, 6], []], None, max_tokens=2)
     assert mlx_spec.batch_generate(model, tok, [[5, 6]], None, max_tokens=2).tokens[0] == \
         mlx_spec.batch_generate(model, tok, [[5, 6], [7]], None, max_tokens=2).tokens[0]
+
+
+def test_batch_generate_takes_max_tokens_per_prompt():
+    model, tok = tiny.llama_model(), tiny.tokenizer()
+    res = mlx_spec.batch_generate(model, tok, [[5, 6], [7, 8, 9]], None, max_tokens=[3, 7])
+    assert res.tokens == [reference(model, [5, 6], 3), reference(model, [7, 8, 9], 7)]
+    with pytest.raises(ValueError, match="max_tokens is a list of 1 values for 2 prompts"):
+        mlx_spec.batch_generate(model, tok, [[5, 6], [7]], None, max_tokens=[3])

@@ -124,6 +124,7 @@ QUICK = dict(draft_vocab=32, tap_layers=[1, 2, 4], steps=1, eval_prompts=1, eval
     (dict(eval_prompts=0), "--eval-prompts must be"), (dict(lr=-1.0), "--lr must be more than 0"),
     (dict(epochs=0, steps=None), "--epochs must be more than 0"),
     (dict(tap_layers=[2, 2, 4]), r"--tap-layers \[2, 2, 4\]: each layer at most once"),
+    (dict(seed=-1), r"--seed must be a whole number 0\.\.4294967295, got -1"),  # (failed after the data)
 ])
 def test_settings_that_cannot_run_fail_before_any_work(tmp_path, target, bad, match):
     model, tok = target
@@ -146,6 +147,42 @@ def test_samples_draw_from_a_prompts_file_and_skipped_lines_are_told(tmp_path, t
     train_eagle3(model, tok, tmp_path / "out", prompts=str(tmp_path / "p.jsonl"), samples=5, **QUICK)
     assert len((tmp_path / "out" / "data.jsonl").read_text().splitlines()) == 5  # not all 39 left
     assert "1 of 41 rows skipped" in caplog.text
+    # as many held out as asked, with prompts enough (it held out 2 and trained on 11 here)
+    train_eagle3(model, tok, tmp_path / "out8", prompts=str(tmp_path / "p.jsonl"), samples=5,
+                 **{**QUICK, "eval_prompts": 8})
+    assert len((tmp_path / "out8" / "data.jsonl").read_text().splitlines()) == 5
+    assert len((tmp_path / "out8" / "eval.jsonl").read_text().splitlines()) == 8
+
+
+def test_prompts_the_chat_template_refuses_are_skipped_and_told(tmp_path):
+    """Templates such as Mistral's and Gemma's raise on two user turns in a row: such a row,
+    held out, used to end the run in its evaluation, after all the training, on every resume."""
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+              "w2 {{ m['content'] }} w3 {% endfor %}{% if add_generation_prompt %}w4{% endif %}")
+    model, tok = mlx_spec.load(str(tiny.model_folder(tmp_path / "m", layers=6, eos=None, chat_template=strict)))
+    bad = [{"role": "user", "content": "w5 w6"}, {"role": "user", "content": "w7 w8"}]
+    said = []
+    train_eagle3(model, tok, tmp_path / "out", prompts=[bad] + PROMPTS, **{**QUICK, "log": said.append})
+    assert any("skipped 1 prompt(s) the chat template refuses" in m for m in said)
+    assert (tmp_path / "out" / "eval.json").is_file()
+    held = [json.loads(r)["messages"] for r in (tmp_path / "out" / "eval.jsonl").read_text().splitlines()]
+    assert bad not in held
+
+
+def test_export_refuses_a_folder_that_is_not_a_head_its_own_folder_and_a_training_run(tmp_path, target):
+    from mlx_spec.train.export import export
+
+    model, tok = target
+    train_eagle3(model, tok, tmp_path / "a", prompts=PROMPTS, **QUICK)
+    train_eagle3(model, tok, tmp_path / "b", prompts=PROMPTS, **QUICK)
+    with pytest.raises(ValueError, match="is the head's own folder"):
+        export(tmp_path / "a", tmp_path / "a", "midlayer", force=True)
+    with pytest.raises(ValueError, match=r"holds a training run \(train\.json"):
+        export(tmp_path / "a", tmp_path / "b", "midlayer", force=True)
+    assert (tmp_path / "b" / "data.jsonl").is_file()  # (it used to be deleted)
+    with pytest.raises(ValueError, match="is not an EAGLE-3 head folder of mlx-spec"):
+        export(tmp_path / "b" / "nowhere", tmp_path / "c", "midlayer")
 
 
 def test_runs_resume_only_as_their_own_kind_and_data_only_for_its_target(tmp_path, target):

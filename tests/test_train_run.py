@@ -119,11 +119,14 @@ class Killed(BaseException):
     pass
 
 
-@pytest.mark.parametrize("file", ["checkpoint.safetensors", "model.safetensors"])
-def test_a_run_killed_while_saving_resumes_to_the_same_weights(target, tmp_path, monkeypatch, file):
-    """Killed just after writing `file` of the checkpoint at step 4 (the checkpoint file is
+@pytest.mark.parametrize("file, at", [("checkpoint.safetensors", "4"), ("model.safetensors", "4"),
+                                      ("checkpoint.safetensors", "6")])
+def test_a_run_killed_while_saving_resumes_to_the_same_weights(target, tmp_path, monkeypatch, file, at):
+    """Killed just after writing `file` of the checkpoint at step `at` (the checkpoint file is
     whole; the loadable head, or state.json, not yet): resuming gives the uninterrupted run's
-    weights, from the checkpoint at 4 (whose file is whole) or from step 2's."""
+    weights, from that checkpoint or the one before. At the last step there is nothing left to
+    train: the loadable head and state.json are brought up to the checkpoint before the
+    evaluation (it used to evaluate, and leave, the head of the checkpoint before)."""
     from mlx_spec.train import export, trainer
 
     _, model, tok = target
@@ -134,7 +137,7 @@ def test_a_run_killed_while_saving_resumes_to_the_same_weights(target, tmp_path,
 
     def dies(path, tensors, metadata=None):
         real(path, tensors, metadata)
-        if (metadata or {}).get("step") == "4" and path.name == file:
+        if (metadata or {}).get("step") == at and path.name == file:
             raise Killed
 
     for module in (export, trainer):
@@ -143,8 +146,9 @@ def test_a_run_killed_while_saving_resumes_to_the_same_weights(target, tmp_path,
         train_eagle3(model, tok, tmp_path / "split", **kw)
     for module in (export, trainer):
         monkeypatch.setattr(module, "save_tensors", real)
-    assert json.loads((tmp_path / "split" / "state.json").read_text())["step"] == 2
+    assert json.loads((tmp_path / "split" / "state.json").read_text())["step"] == int(at) - 2
     train_eagle3(model, tok, tmp_path / "split", resume=True, log=lambda m: None)
+    assert json.loads((tmp_path / "split" / "state.json").read_text())["step"] == 6
     a = mx.load(str(tmp_path / "whole" / "model.safetensors"))
     b = mx.load(str(tmp_path / "split" / "model.safetensors"))
     assert set(a) == set(b)
@@ -208,5 +212,35 @@ def test_exports_keep_the_heads_forward_options(target, tmp_path, layout):
     assert {k: got[k] for k in ("norm_before_residual", "norm_output", "attention_bias")} == dict.fromkeys(
         ("norm_before_residual", "norm_output", "attention_bias"), True)
     a, b = mx.load(str(tmp_path / "head" / "model.safetensors")), mx.load(str(back / "model.safetensors"))
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)
+
+
+def test_each_answer_runs_to_max_length_whatever_the_prompts_beside_it(target):
+    """Answers are written in groups; the group's longest prompt used to set every row's budget."""
+    from mlx_spec.train.data import answer
+
+    _, model, tok = target
+    prompts = [[5, 6, 7, 8, 9]] * 3 + [list(range(10, 50))]
+    rows = answer(model, tok, prompts, 64, log=lambda m: None)  # this target has no EOS
+    assert [len(r["tokens"]) for r in rows] == [64] * 4
+    assert [r["prompt_len"] for r in rows] == [5, 5, 5, 40]
+
+
+def test_a_head_over_the_whole_vocabulary_exports_and_converts_back(target, tmp_path):
+    """Such a head has no draft_to_target (draft id i is target id i): export used to fail on it
+    with a KeyError."""
+    from converters.eagle import v3
+    from eagle_fixtures import eagle3_checkpoint
+
+    folder, model, _ = target
+    eagle3_checkpoint(tmp_path / "src", 64, tiny.VOCAB, config={"eagle_aux_hidden_state_layer_ids": [2, 3, 5]})
+    head = v3.convert(tmp_path / "src", tmp_path / "head", folder)
+    assert "draft_to_target" not in mx.load(str(head / "model.safetensors"))
+    assert cli_main(["train", "export", str(head), str(tmp_path / "x"), "--layout", "midlayer"]) == 0
+    assert cli_main(["convert", "head", str(tmp_path / "x"), str(tmp_path / "back"), "--target", str(folder)]) == 0
+    a, b = mx.load(str(head / "model.safetensors")), mx.load(str(tmp_path / "back" / "model.safetensors"))
+    ids = b.pop("draft_to_target", mx.arange(tiny.VOCAB))  # the export's tables say: the identity
+    assert set(a) == set(b) and np.array_equal(np.array(ids), np.arange(tiny.VOCAB))
     for k in a:
         np.testing.assert_array_equal(np.array(a[k]), np.array(b[k]), err_msg=k)

@@ -165,8 +165,8 @@ def answer(model, tokenizer, prompts: list[list[int]], max_length: int, log=prin
     keep = [p for p in prompts if len(p) <= max_length - 8]  # room for an answer of 8 tokens or more
     for s in range(0, len(keep), 2 * BATCH):
         part = keep[s : s + 2 * BATCH]
-        budget = max(8, max_length - max(len(p) for p in part))
-        res = batch_generate(model, tokenizer, part, None, max_batch=BATCH, max_tokens=budget)
+        budgets = [max_length - len(p) for p in part]  # each row up to max_length, whatever its neighbours
+        res = batch_generate(model, tokenizer, part, None, max_batch=BATCH, max_tokens=budgets)
         for p, toks in zip(part, res.tokens):
             if toks:
                 rows.append({"tokens": [int(t) for t in p + toks][:max_length], "prompt_len": len(p)})

@@ -115,12 +115,22 @@ def export(src, out, layout: str, model=None, force: bool = False) -> Path:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     src = Path(src)
-    cfg = json.loads((src / "config.json").read_text())
+    if Path(out).expanduser().resolve() == src.expanduser().resolve():
+        raise ValueError(f"{out} is the head's own folder: export to another folder")
+    try:
+        cfg = json.loads((src / "config.json").read_text())
+    except (OSError, ValueError):
+        cfg = None
+    block = cfg.get("mlx_spec") if isinstance(cfg, dict) else None
+    if not isinstance(block, dict) or block.get("drafter") != "eagle3":
+        raise ValueError(f"{src} is not an EAGLE-3 head folder of mlx-spec (one `train eagle3` or "
+                         "`convert head` wrote: config.json with an 'mlx_spec' block of drafter eagle3)")
     if cfg.get("quantization"):
         raise ValueError(f"{src} is quantized; export the float head")
     w = dict(mx.load(str(src / "model.safetensors")))
-    ids = np.array(w.pop("draft_to_target"), np.int64)
-    V, V_d = cfg["vocab_size"], cfg["draft_vocab_size"]
+    V, V_d = cfg["vocab_size"], cfg.get("draft_vocab_size") or cfg["vocab_size"]
+    # a head over the whole vocabulary has no id table: draft id i is target id i
+    ids = np.array(w.pop("draft_to_target", mx.arange(V_d)), np.int64)
     w["d2t"] = mx.array(ids - np.arange(V_d), mx.int64)
     t2d = np.zeros(V, bool)
     t2d[ids] = True

@@ -55,7 +55,7 @@ def check_taps(model, taps) -> list:
 
 
 def check_numbers(*, samples, eval_prompts, max_length, epochs, steps, lr, ttt_steps, checkpoint_every,
-                  log_every, eval_k, eval_tokens) -> None:
+                  log_every, eval_k, eval_tokens, seed=0) -> None:
     """The numeric settings, refused before any work when they cannot run."""
     from ..cache import MAX_DRAFT
 
@@ -74,6 +74,8 @@ def check_numbers(*, samples, eval_prompts, max_length, epochs, steps, lr, ttt_s
         raise ValueError(f"--lr must be more than 0, got {lr!r}")
     if not (whole(eval_k) and 1 <= eval_k <= MAX_DRAFT):
         raise ValueError(f"--eval-k must be a draft length 1..{MAX_DRAFT}, got {eval_k!r}")
+    if not (whole(seed) and 0 <= seed < 2**32):
+        raise ValueError(f"--seed must be a whole number 0..{2**32 - 1}, got {seed!r}")
 
 
 def check_out(out: Path, resume: bool) -> None:
@@ -152,11 +154,12 @@ def _messages_for(model, tokenizer, prompts, n: int, seed: int, log, topics) -> 
 def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, max_length: int, seed: int,
               log, topics=TOPICS) -> tuple[list, list]:
     """Generate (training rows, held-out eval prompts) into `out`."""
-    msgs = _messages_for(model, tokenizer, prompts, samples + eval_n, seed, log, topics)
+    msgs = _templated(tokenizer, _messages_for(model, tokenizer, prompts, samples + eval_n, seed, log, topics), log)
     if len(msgs) < 2:
         raise D.DataError(f"{len(msgs)} usable prompt(s); training needs at least 2 (one is held out)")
-    eval_n = min(eval_n, max(1, len(msgs) // 5))
-    held, train = msgs[:eval_n], msgs[eval_n:]
+    if len(msgs) < samples + eval_n:  # fewer prompts than asked for: hold out a fifth at most
+        eval_n = min(eval_n, max(1, len(msgs) // 5))
+    held, train = msgs[:eval_n], msgs[eval_n:eval_n + samples]
     rows = D.answer(model, tokenizer, [D.encode_chat(tokenizer, m) for m in train], max_length, log=log)
     if not rows:
         raise D.DataError(f"no training sequences: every prompt leaves fewer than 8 of --max-length "
@@ -165,6 +168,22 @@ def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, m
     D.write_jsonl(out / "data.jsonl", rows)
     D.write_jsonl(out / "eval.jsonl", [{"messages": m} for m in held])
     return rows, held
+
+
+def _templated(tokenizer, msgs: list, log) -> list:
+    """The prompts the target's chat template takes (some templates raise on, e.g., two user
+    turns in a row); the others are left out, counted in one warning."""
+    ok, refused = [], []
+    for m in msgs:
+        try:
+            D.encode_chat(tokenizer, m)
+            ok.append(m)
+        except Exception as e:  # jinja2's TemplateError, or anything the template raises
+            refused.append(e)
+    if refused:
+        log(f"warning: skipped {len(refused)} prompt(s) the chat template refuses "
+            f"(first: {type(refused[0]).__name__}: {refused[0]})")
+    return ok
 
 
 def _load_data(out: Path) -> tuple[list, list]:
@@ -229,7 +248,7 @@ def train_eagle3(model, tokenizer, out, *, prompts=None, samples: int = 1000, ev
     check_out(out, resume)
     check_numbers(samples=samples, eval_prompts=eval_prompts, max_length=max_length, epochs=epochs, steps=steps,
                   lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
-                  eval_k=eval_k, eval_tokens=eval_tokens)
+                  eval_k=eval_k, eval_tokens=eval_tokens, seed=seed)
     if resume:
         run = saved_run(out, "eagle3")
         cfg = json.loads((out / "config.json").read_text())
@@ -303,7 +322,7 @@ def realign(model, tokenizer, drafter_dir, out, *, prompts=None, samples: int = 
     check_out(out, resume)
     check_numbers(samples=samples, eval_prompts=eval_prompts, max_length=max_length, epochs=epochs, steps=steps,
                   lr=lr, ttt_steps=ttt_steps, checkpoint_every=checkpoint_every, log_every=log_every,
-                  eval_k=eval_k, eval_tokens=eval_tokens)
+                  eval_k=eval_k, eval_tokens=eval_tokens, seed=seed)
     if resume:
         run = saved_run(out, "realign")
         drafter_dir = run["drafter"]

@@ -123,6 +123,7 @@ class Trainer:
         self.opt.state = tree_unflatten([(k[4:], v) for k, v in both.items() if k.startswith("opt/")])
         self.step = int(meta["step"])
         mx.eval(self.head.parameters(), self.opt.state)
+        self.save()  # the loadable head and state.json as the checkpoint (a kill may have come between)
 
     # ------------------------------------------------------------ the loop
 
