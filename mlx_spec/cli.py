@@ -73,6 +73,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except ModelLoadError as e:  # any command: one line naming the file and the fix
         return report(e, args)
+    except RuntimeError as e:  # a sharded run whose peer ended or failed: MLX's ring says so
+        if getattr(args, "shard", None) is None:
+            raise
+        return report(RuntimeError(f"{_rank()}stopped: {e} (if another rank ended or failed, its own "
+                                   "error says why)"), args)
+
+
+def _rank() -> str:
+    try:
+        from .distributed import init
+
+        return f"rank {init().rank()}: "
+    except Exception:  # (no group: the failure came before it existed)
+        return ""
 
 
 def report(error: Exception, args: argparse.Namespace) -> int:

@@ -406,14 +406,30 @@ def barrier(group=None) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1), group=group or init()))
 
 
+def _config_print(model) -> int:
+    """A 31-bit checksum of the model's configuration (the same on every rank of one model)."""
+    import dataclasses
+    import json
+    import zlib
+
+    args = getattr(model, "args", None)
+    fields = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else vars(args) if args is not None else {}
+    return zlib.crc32(json.dumps(fields, sort_keys=True, default=str).encode()) & 0x7FFFFFFF
+
+
 def describe(model) -> str:
     """One line per rank: its layers and weight memory (a collective: call on every rank)."""
     from mlx.utils import tree_flatten
 
     shard = shard_of(model)
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    mine = mx.array([shard.layers[0], shard.layers[1], weights // 1024], mx.int32)
+    mine = mx.array([shard.layers[0], shard.layers[1], weights // 1024, _config_print(model)], mx.int32)
     rows = mx.distributed.all_gather(mine[None], group=shard.group).tolist()
+    other = [r for r, row in enumerate(rows) if row[3] != rows[0][3]]
+    if other:  # each Mac may hold its own copy: a different one would desynchronise the ranks
+        raise ValueError(f"rank {other[0]} loaded a model of another configuration than rank 0's: give "
+                         "every rank the same model (same config.json)")
+    rows = [row[:3] for row in rows]
     lines = [f"rank {r}: layers {a}..{b - 1} of {shard.total_layers}, weights {kb / 1024:.1f} MiB"
              for r, (a, b, kb) in enumerate(rows)]
     return f"{shard.mode} parallel over {shard.size} ranks\n" + "\n".join(lines)

@@ -324,7 +324,7 @@ def _compare(model, tokenizer, ids, drafter, options, first, shown: list[int]) -
 def add_dist_timeout(p: argparse.ArgumentParser) -> None:
     from .watchdog import DEFAULT_TIMEOUT
 
-    p.add_argument("--dist-timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+    p.add_argument("--dist-timeout", type=ranged(float, 0), default=DEFAULT_TIMEOUT, metavar="SECONDS",
                    help="with --shard: a rank that waits this long for the others (connecting, "
                    f"or in a forward) ends with an error naming it (default {DEFAULT_TIMEOUT:g}; "
                    "0: wait forever)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -51,7 +52,7 @@ def launch_command(args: argparse.Namespace) -> list[str]:
     if not command or command[0] not in RUNNABLE:
         raise ValueError(f"give the command after --, one of: {', '.join(RUNNABLE)} "
                          f"(got {' '.join(command) or 'nothing'})")
-    if "--shard" not in command:
+    if not any(a == "--shard" or a.startswith("--shard=") for a in command):
         raise ValueError("the ranks' command needs --shard pipeline or --shard tensor")
     tool = shutil.which("mlx.launch") or os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     out = [tool, "--backend", args.backend]
@@ -104,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
     bad = [(r, c) for r, c in failed if c != 0]
     if bad:
         rank, code = bad[0]
+        if rank is None:
+            print("error: mlx.launch could not start the ranks (its traceback is above)", file=sys.stderr)
+            return 1
         how = f"signal {-code}" if code < 0 else f"exit code {code}"
         others = f"; {len(bad) - 1} other rank(s) ended too" if len(bad) > 1 else ""
         print(f"error: rank {rank} ended with {how}{others}", file=sys.stderr)
@@ -121,8 +125,12 @@ def _read_stdin_prompt(command: list[str]) -> list[str]:
         joined = out[i] in ("--prompt=-", "-p=-", "-p-")
         if joined or (out[i] in ("--prompt", "-p") and out[i + 1:i + 2] == ["-"]):
             text = sys.stdin.read()
-            if len(text.encode()) > MAX_ARG:
-                raise ValueError(f"the prompt read from stdin has {len(text.encode()):,} bytes; the ranks get it on "
+            if not text.strip():
+                raise ValueError("the prompt is empty (nothing came on stdin): give some text")
+            # mlx.launch hands each rank a shell command holding it quoted (each ' takes 5 bytes)
+            size = len(shlex.quote(text).encode())
+            if size > MAX_ARG:
+                raise ValueError(f"the prompt read from stdin takes {size:,} bytes quoted; the ranks get it on "
                                  f"their command line, which takes at most {MAX_ARG:,}: pass a shorter prompt")
             out[i:i + (1 if joined else 2)] = [f"--prompt-verbatim={text}"]  # (= : text may start with -)
             break
@@ -167,9 +175,10 @@ def _wait(proc: subprocess.Popen, timeout: float | None, failed: list) -> int | 
 def _relay(stream, failed: list) -> None:
     for line in stream:
         sys.stderr.write(line)
-        m = FAILED.search(line)
-        if m:
+        for m in FAILED.finditer(line):  # (two ranks' notes can share a line)
             failed.append((int(m.group(1)), int(m.group(2))))
+        if line.startswith("Exception in thread"):  # mlx.launch could not start a rank (it exits 0)
+            failed.append((None, 1))
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -389,3 +389,17 @@ def _real_gemma3_pipeline_matches_unsharded(tmp_path):
 if SLOW:  # minutes here; the tiny gemma3 of test_sharded_runs_match covers stage positions always
     test_real_gemma3_pipeline_matches_unsharded = pytest.mark.download(
         pytest.mark.slow(_real_gemma3_pipeline_matches_unsharded))
+
+
+def test_ranks_holding_different_models_are_refused_by_name(folders, tmp_path):
+    """Each Mac may hold its own copy of the model: a rank with another one used to run on with
+    ranks disagreeing on every token, until the timeout."""
+    script = tmp_path / "other_model_on_rank_1.py"
+    script.write_text(
+        "import os, sys\nfrom mlx_spec.cli import main\nargv = sys.argv[1:]\n"
+        f"if os.environ.get('MLX_RANK') == '1':\n    argv[argv.index('--model') + 1] = {str(folders['llama_hd32'])!r}\n"
+        "sys.exit(main(argv))\n")
+    done = launch(2, script, "generate", "--shard", "pipeline", "--model", folders["llama"], "--prompt", "w5 w6",
+                  "--ignore-chat-template", "--max-tokens", "4", timeout=120)
+    assert "exited with code 2" in done.stderr  # (mlx.launch itself exits 0: `mlx-spec launch` reads this)
+    assert "rank 1 loaded a model of another configuration than rank 0's" in done.stderr, done.stderr[-2000:]

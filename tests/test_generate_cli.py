@@ -229,6 +229,7 @@ def test_compare_counts_plain_and_speculative_runs_alike_and_not_the_cold_run_sh
     ("generate", ["--kv-bits", "7"], "--kv-bits: invalid choice: 7"),
     ("serve", ["--num-draft-tokens", "0"], "expected an integer 1..16 or auto, got '0'"),
     ("serve", ["--port", "99999"], "--port: expected an integer 0..65535, got '99999'"),
+    ("generate", ["--dist-timeout=-5"], "--dist-timeout: expected a number >= 0, got '-5'"),  # (killed every rank)
 ])
 def test_settings_out_of_range_are_refused_before_any_model_loads(monkeypatch, capsys, command, flags, says):
     """(A server with --num-draft-tokens 0 used to start, then refuse every request naming a

@@ -39,7 +39,24 @@ def test_a_stdin_prompt_too_long_for_a_command_line_is_refused(monkeypatch, caps
                               timeout=None, repeat_hosts=2, hosts=None, hostfile=None, backend="ring",
                               starting_port=None)
     assert launch.run(args) == 2
-    assert "the prompt read from stdin has 100,001 bytes" in capsys.readouterr().err
+    assert "the prompt read from stdin takes 100,001 bytes quoted" in capsys.readouterr().err
+    # each ' grows to 5 bytes in the shell command mlx.launch gives a rank: 40 KB of them did not
+    # fit Linux's 128 KiB argument, and mlx.launch failed in threads and exited 0
+    monkeypatch.setattr(sys, "stdin", io.StringIO("w5 " + "'" * 40_000))
+    assert launch.run(args) == 2
+    assert "takes 200,0" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "stdin", io.StringIO(" \n"))
+    assert launch.run(args) == 2 and "the prompt is empty (nothing came on stdin)" in capsys.readouterr().err
+
+
+def test_launch_reads_every_rank_failure_note_and_the_shard_flag_in_either_form():
+    failed = []
+    launch._relay(io.StringIO("[WARN] Node with rank 1 exited with code 1 [WARN] Node with rank 0 exited "
+                              "with code 1\nException in thread Thread-2:\n"), failed)
+    assert failed == [(1, 1), (0, 1), (None, 1)]
+    args = argparse.Namespace(command=["--", "generate", "--shard=pipeline"], repeat_hosts=2, hosts=None,
+                              hostfile=None, backend="ring", starting_port=None)
+    assert "--shard=pipeline" in launch.launch_command(args)
 
 
 def _alive(pid: int) -> bool:
