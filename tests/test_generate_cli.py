@@ -251,3 +251,16 @@ def test_an_empty_prompt_or_an_empty_pipe_is_an_error_not_an_answer_to_nothing(f
     assert rc == 2 and "(nothing came on stdin)" in err and out == ""
     monkeypatch.setattr("sys.stdin", io.StringIO("w3 w4"))
     assert _run(folder, capsys, "--prompt", "-", "-m", "2")[0] == 0
+
+
+def test_a_sharded_rank_whose_peer_ended_gets_one_error_line(monkeypatch, capsys):
+    def lost(args, prompt):
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(generate_cli, "_generate", lost)
+    assert cli.main(["generate", "--shard", "pipeline", "--prompt", "w5"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "stopped: [ring] connection to a peer was lost" in err
+    assert "its own error says why" in err and "Traceback" not in err
+    with pytest.raises(RuntimeError):  # unsharded, a RuntimeError is a bug: its traceback stays
+        cli.main(["generate", "--prompt", "w5"])
