@@ -36,7 +36,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from . import batch_cache, batch_plain, tree, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
-from .distributed import agree_seed, shard_of
+from .agreed import agree_seed
+from .distributed import shard_of
 from .cache import MAX_DRAFT, is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
 from .batch_policy import choose_lengths, draft_lengths, plain_next
@@ -360,7 +361,7 @@ class BatchDecoder:
     def _pick_shape(self, row: Row) -> int:
         """auto: how much of the tree, by what each shape has paid (on a sharded target every
         rank takes rank 0's pick: timed choices may differ between ranks)."""
-        from .distributed import agree_lengths
+        from .agreed import agree_lengths
 
         policy = row.lengths  # (its ShapeChoice carries over to the next request, as its tables do)
         policy.shapes = policy.shapes or tree.ShapeChoice()
@@ -427,7 +428,7 @@ def _trimmed(model, rows: list[Row], drafts: list) -> list:
     """The batch's drafts cut to what pays verifying (`batch_policy.trim_drafts`); on a
     sharded target every rank takes rank 0's lengths."""
     from .batch_policy import trim_drafts
-    from .distributed import agree_lengths
+    from .agreed import agree_lengths
 
     keep = trim_drafts(model, [r.lengths for r in rows], drafts, [r.offer[0] for r in rows])
     keep = [n for n, _ in agree_lengths(model, [(n, None) for n in keep])]

@@ -48,7 +48,7 @@ WIDE = (17, 24, 34, 48, 68, 96, 136)  # verify widths calibrated for batches (ro
 def wide_verify_seconds(model) -> list[float]:
     """Seconds of forwards over `WIDE` tokens: the cost of a batch's verify, B rows x T tokens,
     is taken to be that of one row of B * T tokens (the matmuls dominate). Cached as the curve."""
-    from .distributed import agreed_curve
+    from .agreed import agreed_curve
 
     key, curves = model_key(model) + ":wide", calibration._CURVES  # (looked up late: tests swap them)
     known = curves.get(key) or _read_curve(calibration.cache_dir() / f"{key}.json")
@@ -383,7 +383,7 @@ def choose_lengths(model, rows: list[Row]) -> list[tuple[int, float | None]]:
     # In a batch a row's drafting saves it its share of the batch's plain step, not a step alone.
     share = _seconds(model, policies, [0] * len(rows), _costs(model), drafting=False) / len(rows) \
         if len(rows) > 1 else None
-    from .distributed import agree_lengths, agree_sources
+    from .agreed import agree_lengths, agree_sources
 
     choices = agree_lengths(model, [(-1, None) if k and gain is not None and not row.drafting_pays(
         gain, None if _repeatable(row.lengths) else share) else (k, gain) for row, (k, gain) in zip(rows, choices)])

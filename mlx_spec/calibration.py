@@ -80,7 +80,7 @@ def verify_seconds(model, n_max: int = N_MAX, recalibrate: bool = False) -> list
     Measured once and cached on disk (`cache_dir()`); when that folder cannot be
     read or written the curve is kept in memory for this process instead.
     """
-    from .distributed import agreed_curve
+    from .agreed import agreed_curve
 
     key = model_key(model)
     known = None

@@ -14,7 +14,7 @@ import pytest
 import mlx_spec
 import tiny
 from lossless import v8_successor_llama
-from mlx_spec import adaptive, batch_policy, distributed, learned
+from mlx_spec import adaptive, agreed, batch_policy, distributed, learned
 from mlx_spec.adaptive import CostModel
 from mlx_spec.drafters import DraftModelDrafter, MixedDrafter, NGramDrafter
 
@@ -33,8 +33,8 @@ def run_two_ranks(monkeypatch, steps: int) -> int:
         return sent.popleft()
 
     monkeypatch.setattr(distributed, "shard_of", lambda model: type("Shard", (), {"group": None}))
-    monkeypatch.setattr(distributed, "broadcast_ints", broadcast_ints)
-    monkeypatch.setattr(distributed, "agreed_curve", lambda model, local, measure: local or measure())
+    monkeypatch.setattr(agreed, "broadcast_ints", broadcast_ints)
+    monkeypatch.setattr(agreed, "agreed_curve", lambda model, local, measure: local or measure())
     proposed = {}
     propose = MixedDrafter.propose
 
@@ -79,7 +79,7 @@ def test_every_rank_drafts_from_rank_0s_source(monkeypatch, synthetic_costs):
 
 def test_ranks_left_to_choose_their_own_source_diverge(monkeypatch, synthetic_costs):
     """The check above can fail: without the agreement the ranks' drafts differ."""
-    monkeypatch.setattr(distributed, "agree_sources", lambda model, drafters: None)
+    monkeypatch.setattr(agreed, "agree_sources", lambda model, drafters: None)
     assert run_two_ranks(monkeypatch, 60) >= 1
 
 
@@ -97,8 +97,8 @@ def test_ranks_sampling_without_a_seed_draw_rank_0s_tokens(monkeypatch):
         return sent.popleft()
 
     monkeypatch.setattr(distributed, "shard_of", lambda model: type("Shard", (), {"group": None}))
-    monkeypatch.setattr(distributed, "broadcast_ints", broadcast_ints)
-    monkeypatch.setattr(distributed, "agreed_curve", lambda model, local, measure: local or measure())
+    monkeypatch.setattr(agreed, "broadcast_ints", broadcast_ints)
+    monkeypatch.setattr(agreed, "agreed_curve", lambda model, local, measure: local or measure())
     target = v8_successor_llama()
     runs = {}
     for r in (0, 1):
@@ -134,7 +134,7 @@ def test_ranks_whose_cached_curves_differ_in_length_measure_one_together(monkeyp
 
     shim = types.SimpleNamespace(array=mx.array, float32=mx.float32, int32=mx.int32,
                                  distributed=types.SimpleNamespace(all_sum=all_sum))
-    monkeypatch.setattr(distributed, "mx", shim)
+    monkeypatch.setattr(agreed, "mx", shim)
     monkeypatch.setattr(distributed, "shard_of", lambda model: local.shard)
     measured = {0: [float(i) for i in range(17)], 1: [float(100 + i) for i in range(17)]}
     out, errors = {}, []
@@ -143,7 +143,7 @@ def test_ranks_whose_cached_curves_differ_in_length_measure_one_together(monkeyp
         group = types.SimpleNamespace(rank=lambda: r, size=lambda: 2)
         local.rank, local.shard = r, types.SimpleNamespace(group=group, rank=r, size=2)
         try:
-            out[r] = distributed.agreed_curve(None, cached, lambda: measured[r])
+            out[r] = agreed.agreed_curve(None, cached, lambda: measured[r])
         except Exception as e:  # noqa: BLE001 (reported below)
             errors.append(e)
             barrier.abort()
