@@ -76,17 +76,15 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:  # a sharded run whose peer ended or failed: MLX's ring says so
         if getattr(args, "shard", None) is None:
             raise
-        return report(RuntimeError(f"{_rank()}stopped: {e} (if another rank ended or failed, its own "
+        return report(RuntimeError(f"stopped: {e} (if another rank ended or failed, its own "
                                    "error says why)"), args)
 
 
 def _rank() -> str:
-    try:
-        from .distributed import init
-
-        return f"rank {init().rank()}: "
-    except Exception:  # (no group: the failure came before it existed)
-        return ""
+    """'rank N: ' in a process mlx.launch started (from its environment: asking MLX for the
+    group could wait on peers that are gone), else ''."""
+    rank = os.environ.get("MLX_RANK")
+    return f"rank {rank}: " if rank is not None else ""
 
 
 def report(error: Exception, args: argparse.Namespace) -> int:
@@ -94,7 +92,8 @@ def report(error: Exception, args: argparse.Namespace) -> int:
     command was given an explicit --verbose); the exit code is 2."""
     if getattr(args, "verbose", None) is True:
         traceback.print_exception(error)
-    print(f"error: {error}", file=sys.stderr)
+    where = _rank() if getattr(args, "shard", None) is not None and not str(error).startswith("rank ") else ""
+    print(f"error: {where}{error}", file=sys.stderr)
     return 2
 
 

@@ -258,9 +258,17 @@ def test_a_sharded_rank_whose_peer_ended_gets_one_error_line(monkeypatch, capsys
         raise RuntimeError("[ring] connection to a peer was lost")
 
     monkeypatch.setattr(generate_cli, "_generate", lost)
+    monkeypatch.setenv("MLX_RANK", "1")  # as mlx.launch sets it
     assert cli.main(["generate", "--shard", "pipeline", "--prompt", "w5"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and "stopped: [ring] connection to a peer was lost" in err
+    assert err.startswith("error: rank 1: stopped: [ring] connection to a peer was lost")
     assert "its own error says why" in err and "Traceback" not in err
     with pytest.raises(RuntimeError):  # unsharded, a RuntimeError is a bug: its traceback stays
         cli.main(["generate", "--prompt", "w5"])
+    monkeypatch.setattr(generate_cli, "_generate", lambda args, prompt: mlx_spec_load_fails())
+    assert cli.main(["generate", "--shard", "pipeline", "--prompt", "w5"]) == 2  # any sharded error
+    assert capsys.readouterr().err.startswith("error: rank 1: no such model")  # names its rank
+
+
+def mlx_spec_load_fails():
+    raise ValueError("no such model")
