@@ -33,14 +33,13 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import batch_cache, batch_plain, tree, verify
+from . import batch_cache, batch_plain, batch_quantized, tree, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
 from .agreed import agree_seed
-from .distributed import shard_of
-from .cache import MAX_DRAFT, is_recurrent, prepare_cache
+from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
-from .batch_policy import choose_lengths, draft_lengths, plain_next
+from .batch_policy import choose_lengths, draft_lengths
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter, whole
@@ -311,7 +310,7 @@ class BatchDecoder:
             if row.req.max_tokens is not None:
                 k = min(k, row.req.max_tokens - len(row.out) - 1)  # the block's end must fit
             if row.req.kv_bits is not None and self.batch is None:
-                k = min(k, _unquantized_room(row))
+                k = min(k, batch_quantized.unquantized_room(row))
             ks.append(k)
         cache = self.batch if self.batch is not None else rows[0].cache
         if self.batch is None:  # mlx-lm's kv_bits quantization first: a quantized cache verifies chains
@@ -329,7 +328,7 @@ class BatchDecoder:
         if len(rows) > 1 and any(d.size for d in drafts):
             drafts = _trimmed(self.model, rows, drafts)
         if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
-            ahead = all(k == 0 for k, _ in choices) and _plain_next(self.model, rows)
+            ahead = all(k == 0 for k, _ in choices) and batch_plain.plain_next_step(self.model, rows)
             verdicts, self.flight, timed = batch_plain.step(self.model, cache, rows, self.flight, ahead)
             return drafts, verdicts, timed
         self._land()
@@ -398,30 +397,6 @@ class BatchDecoder:
         if row is not None:
             with mx.stream(generation_stream):
                 row.settle(seen)
-
-
-def _plain_next(model, rows: list[Row]) -> bool:
-    """Whether the next step will be plain too (so it can be queued now): no row drafts, or
-    drafting is parked with no probe due by then (a lone row's own policy; a batch's is
-    `batch_policy`'s). A wrong guess costs the step queued (taken back), never a token.
-    On a sharded target an adaptive row never queues ahead: the guess rests on each rank's own
-    timings, and a step queued on one rank and taken back would be a forward (with its
-    collectives) the other ranks never ran."""
-    if shard_of(model) is not None and any(isinstance(r.lengths, AdaptiveK) for r in rows):
-        return False
-    if len(rows) > 1:
-        return plain_next(model, [r.lengths for r in rows])
-    return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked_next() for r in rows)
-
-
-def _unquantized_room(row: Row) -> int:
-    """Drafts a `kv_bits` row's block may hold before its cache reaches `quantized_kv_start`:
-    mlx-lm quantizes the cache after every step once it holds that many tokens, so the tokens
-    past that point must see it quantized, and a block verified over the plain cache may not
-    cross it (no limit once quantized)."""
-    at = next((c.offset for c in row.cache if hasattr(c, "to_quantized")), None)
-    start = row.req.quantized_kv_start
-    return MAX_DRAFT if at is None or at >= start else max(0, start - at - 1)
 
 
 def _trimmed(model, rows: list[Row], drafts: list) -> list:

@@ -109,3 +109,21 @@ def land(flight: Flight | None, rows: list) -> None:
     for row in rows:
         if row.uid in flight.uids:
             row.consumed -= 1
+
+
+def plain_next_step(model, rows: list) -> bool:
+    """Whether the next step will be plain too (so it can be queued now): no row drafts, or
+    drafting is parked with no probe due by then (a lone row's own policy; a batch's is
+    `batch_policy`'s). A wrong guess costs the step queued (taken back), never a token.
+    On a sharded target an adaptive row never queues ahead: the guess rests on each rank's own
+    timings, and a step queued on one rank and taken back would be a forward (with its
+    collectives) the other ranks never ran."""
+    from .adaptive import AdaptiveK
+    from .batch_policy import plain_next
+    from .distributed import shard_of
+
+    if shard_of(model) is not None and any(isinstance(r.lengths, AdaptiveK) for r in rows):
+        return False
+    if len(rows) > 1:
+        return plain_next(model, [r.lengths for r in rows])
+    return all(not isinstance(r.lengths, AdaptiveK) or r.lengths.parked_next() for r in rows)

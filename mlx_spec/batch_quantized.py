@@ -145,3 +145,15 @@ class BatchQuantizedKVCache(BatchKVCache):
     @property
     def nbytes(self) -> int:
         return 0 if self.keys is None else sum(a.nbytes for a in (*self.keys, *self.values))
+
+
+def unquantized_room(row) -> int:
+    """Drafts a `kv_bits` row's block may hold before its cache reaches `quantized_kv_start`:
+    mlx-lm quantizes the cache after every step once it holds that many tokens, so the tokens
+    past that point must see it quantized, and a block verified over the plain cache may not
+    cross it (no limit once quantized)."""
+    from .cache import MAX_DRAFT
+
+    at = next((c.offset for c in row.cache if hasattr(c, "to_quantized")), None)
+    start = row.req.quantized_kv_start
+    return MAX_DRAFT if at is None or at >= start else max(0, start - at - 1)
