@@ -64,30 +64,23 @@ def read_tensors(folder: Path) -> dict:
     """Every tensor of the checkpoint in `folder`, as MLX arrays (lazily loaded)."""
     import mlx.core as mx
 
-    from mlx_spec.weights import merged_shards, shard_files
+    from mlx_spec.weights import merged_shards, read_file, shard_files
+
+    def merged(files: list, load) -> dict:
+        return merged_shards(folder, files, lambda f: read_file(f, lambda: load(f), ConversionError),
+                             ConversionError)
 
     folder = Path(folder)
     files = shard_files(folder, "model.safetensors.index.json", "*.safetensors", ConversionError)
     if files:
-        return merged_shards(folder, files, lambda f: _read(f, lambda: mx.load(str(f))), ConversionError)
+        return merged(files, lambda f: mx.load(str(f)))
     # Only the model's own .bin files: training_args.bin and optimizer states are not weights.
     bins = shard_files(folder, "pytorch_model.bin.index.json", "pytorch_model*.bin", ConversionError)
     if bins:
         from .torch_bin import load_torch_bin
 
-        return merged_shards(folder, bins, lambda f: _read(f, lambda: load_torch_bin(f)), ConversionError)
+        return merged(bins, load_torch_bin)
     raise ConversionError(f"{folder} has no *.safetensors or *.bin weights")
-
-
-def _read(f: Path, load) -> dict:
-    """`load()`, with a file that cannot be read named (MLX reports a damaged one as RuntimeError)."""
-    try:
-        return load()
-    except (RuntimeError, OSError) as e:
-        from mlx_spec.load_errors import safetensors_problem
-
-        why = safetensors_problem(f) if f.suffix == ".safetensors" else None
-        raise ConversionError(f"{f} {why or f'cannot be read ({e})'}: download it again") from None
 
 
 def rename(weights: dict, table: list[tuple[str, str | None]]) -> dict:

@@ -49,6 +49,18 @@ def shard_files(folder: Path, index_name: str, pattern: str, error: type = Value
     return [folder / s for s in shards]
 
 
+def read_file(f: Path, load, error: type = ValueError):
+    """`load()` of weight file `f`; a file that cannot be read (MLX reports a truncated
+    safetensors as RuntimeError) is named with what is wrong with it and the fix."""
+    try:
+        return load()
+    except (RuntimeError, OSError) as e:
+        from .load_errors import safetensors_problem
+
+        why = safetensors_problem(f) if f.suffix == ".safetensors" else None
+        raise error(f"{f} {why or f'cannot be read ({e})'}: download it again") from None
+
+
 def merged_shards(folder: Path, files: list[Path], read, error: type = ValueError) -> dict:
     """`read(file)` of every file, merged; a name in two files is refused (a stray copy would
     otherwise replace the real tensor, whichever file is read last)."""

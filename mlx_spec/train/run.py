@@ -154,13 +154,13 @@ def _messages_for(model, tokenizer, prompts, n: int, seed: int, log, topics) -> 
 def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, max_length: int, seed: int,
               log, topics=TOPICS) -> tuple[list, list]:
     """Generate (training rows, held-out eval prompts) into `out`."""
-    msgs = _templated(tokenizer, _messages_for(model, tokenizer, prompts, samples + eval_n, seed, log, topics), log)
+    msgs, ids = _templated(tokenizer, _messages_for(model, tokenizer, prompts, samples + eval_n, seed, log, topics), log)
     if len(msgs) < 2:
         raise D.DataError(f"{len(msgs)} usable prompt(s); training needs at least 2 (one is held out)")
     if len(msgs) < samples + eval_n:  # fewer prompts than asked for: hold out a fifth at most
         eval_n = min(eval_n, max(1, len(msgs) // 5))
-    held, train = msgs[:eval_n], msgs[eval_n:eval_n + samples]
-    rows = D.answer(model, tokenizer, [D.encode_chat(tokenizer, m) for m in train], max_length, log=log)
+    held = msgs[:eval_n]
+    rows = D.answer(model, tokenizer, ids[eval_n:eval_n + samples], max_length, log=log)
     if not rows:
         raise D.DataError(f"no training sequences: every prompt leaves fewer than 8 of --max-length "
                           f"{max_length} tokens for its answer; raise --max-length")
@@ -170,20 +170,20 @@ def make_data(model, tokenizer, out: Path, prompts, samples: int, eval_n: int, m
     return rows, held
 
 
-def _templated(tokenizer, msgs: list, log) -> list:
-    """The prompts the target's chat template takes (some templates raise on, e.g., two user
-    turns in a row); the others are left out, counted in one warning."""
-    ok, refused = [], []
+def _templated(tokenizer, msgs: list, log) -> tuple[list, list]:
+    """(the prompts the target's chat template takes, their token ids): some templates raise on,
+    e.g., two user turns in a row; those prompts are left out, counted in one warning."""
+    ok, ids, refused = [], [], []
     for m in msgs:
         try:
-            D.encode_chat(tokenizer, m)
+            ids.append(D.encode_chat(tokenizer, m))
             ok.append(m)
         except Exception as e:  # jinja2's TemplateError, or anything the template raises
             refused.append(e)
     if refused:
         log(f"warning: skipped {len(refused)} prompt(s) the chat template refuses "
             f"(first: {type(refused[0]).__name__}: {refused[0]})")
-    return ok
+    return ok, ids
 
 
 def _load_data(out: Path) -> tuple[list, list]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...weights import merged_shards, rename, shard_files
+from ...weights import merged_shards, read_file, rename, shard_files
 
 
 @dataclass(frozen=True)
@@ -168,12 +168,7 @@ def load_tensors(index: dict, names) -> dict[str, mx.array]:
         by_file.setdefault(index[name][0], []).append(name)
     out = {}
     for f, keys in by_file.items():
-        try:
-            arrays = mx.load(str(f))  # lazy: only the arrays used are read
-        except RuntimeError as e:  # MLX checks every tensor's bounds against the file's size
-            from ...load_errors import safetensors_problem
-
-            raise ValueError(f"{f} {safetensors_problem(f) or f'cannot be read ({e})'}: download it again") from None
+        arrays = read_file(f, lambda: mx.load(str(f)))  # lazy: only the arrays used are read
         out.update({k: arrays[k] for k in keys})
     return out
 
