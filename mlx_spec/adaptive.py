@@ -296,3 +296,19 @@ def _carried(a: float, n: int) -> tuple[float, int]:
     """An acceptance and its count as another request or process starts from them: never more
     pessimistic than a cold start, and worth a few observations (its text may differ)."""
     return max(float(a), PRIOR), min(int(n), LOADED_WEIGHT)
+
+
+class FixedK:
+    """The same draft length every step (0: plain decoding)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def choose(self) -> tuple[int, None]:
+        return self.k, None
+
+    def observe(self, proposed: int, accepted: int, seconds: float | None, plain_by_choice: bool = False) -> None:
+        pass
+
+    def offered(self, asked: int, proposed: int) -> None:
+        pass

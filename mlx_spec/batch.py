@@ -39,7 +39,7 @@ from .calibration import one_time_seconds
 from .agreed import agree_seed
 from .cache import is_recurrent, prepare_cache
 from .drafters.base import EMPTY, Draft
-from .batch_policy import choose_lengths, draft_lengths
+from .row_lengths import choose_lengths, draft_lengths
 from .identity import Claims
 from .overlap import step_clock
 from .request import make_request, refuse_unsupported, resolve_drafter, whole

@@ -8,7 +8,7 @@ import pytest
 
 import mlx_spec
 import tiny
-from mlx_spec import batch_policy, calibration, learned
+from mlx_spec import calibration, learned, row_lengths
 from mlx_spec.adaptive import AdaptiveK, CostModel
 from mlx_spec.learned import _load_learned, save_learned
 from mlx_spec.calibration import model_key
@@ -327,10 +327,10 @@ def test_a_request_whose_read_does_not_pay_goes_on_with_lookup_under_the_mixed_t
     row = serve(policy, drafter)
     row.__dict__.update(lengths=policy, uid=0, out=[], stats=SimpleNamespace(plain_reason=None),
                req=SimpleNamespace(max_tokens=40, sampling=None, repeatable=False))
-    in_batch = batch_policy._without_backlog(target, row, alone=False)  # priced from its own costs
+    in_batch = row_lengths._without_backlog(target, row, alone=False)  # priced from its own costs
     assert in_batch is not policy and in_batch.costs.draft_per_token == 0.0
     drafter.paid_off = False
-    assert batch_policy._without_backlog(target, row) is policy and drafter.paid_off
+    assert row_lengths._without_backlog(target, row) is policy and drafter.paid_off
     k, _ = policy.choose()
     assert policy.source == FREE and k == 8  # the copy's table: 0.95 a token
     policy.observe(k, k, None)
