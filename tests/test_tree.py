@@ -432,3 +432,26 @@ def test_a_tree_block_passes_attribute_writes_to_the_layer():
     tied = mx.depends(view.keys, mx.array(1.0))
     view.keys = tied
     assert layer.keys is tied and view.keys is tied and "keys" not in vars(view)
+
+
+@pytest.mark.parametrize("tokens, parents, q_rows", [
+    ([1, 2], (-1, 0, 1), None),  # one parent too many: a chain that read past its tokens
+    ([1, 2, 3], (-1, -1), None),  # one too few: a mask of the wrong size
+    ([1, 2, 3], None, 2),  # q with a row too few
+])
+def test_a_draft_whose_shapes_disagree_is_refused_by_name(tokens, parents, q_rows):
+    """A custom drafter's malformed Draft is refused where it is made, not verified: a chain
+    of 2 tokens with 3 parents read a token past the end (a made-up id, then a crash in the
+    embedding lookup)."""
+    q = None if q_rows is None else mx.ones((q_rows, 8)) / 8
+    with pytest.raises(ValueError, match="one parent per token|one row of probabilities per token"):
+        Draft(mx.array(tokens, mx.uint32), q=q, parents=parents)
+
+    class Malformed(mlx_spec.NGramDrafter):
+        def propose(self, y, k, sampling):
+            return Draft(mx.array(tokens, mx.uint32), q=q, parents=parents)
+
+    with pytest.raises(ValueError, match="per token"):
+        list(mlx_spec.stream_generate(tiny.llama_model(seed=2), tiny.tokenizer(), [5, 6, 7], Malformed(),
+                                      max_tokens=10, num_draft_tokens=4))
+    assert Draft(mx.array(tokens, mx.uint32), parents=(-1,) + tuple(range(len(tokens) - 1))).size == len(tokens)

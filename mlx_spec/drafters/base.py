@@ -41,6 +41,16 @@ class Draft:
     # tree nodes are point masses (q is None).
     parents: tuple[int, ...] | None = None
 
+    def __post_init__(self):  # (shapes only: nothing lazy is evaluated)
+        k = self.tokens.shape[0] if self.tokens.ndim == 1 else None
+        if k is None:
+            raise ValueError(f"a Draft's tokens must be one row of token ids, got shape {self.tokens.shape}")
+        if self.parents is not None and len(self.parents) != k:
+            raise ValueError(f"a tree Draft needs one parent per token: {k} tokens, {len(self.parents)} parents")
+        if self.q is not None and self.q.shape[0] != k:
+            raise ValueError(f"a Draft's q needs one row of probabilities per token: {k} tokens, "
+                             f"q of shape {self.q.shape}")
+
     @property
     def size(self) -> int:
         return self.tokens.shape[0]
