@@ -134,6 +134,7 @@ class BatchDecoder:
         with mx.stream(generation_stream):
             grouped = self._start_together(events, decoding)
             while not (decoding and grouped) and (row := self._next_waiting()) is not None:
+                row.start_reading()
                 try:
                     first = verify.prefill(self.model, row, self.prefill_chunk if decoding else None)
                     if first is not None:
@@ -182,6 +183,8 @@ class BatchDecoder:
         group = [row for row in group if self._told(row, 0)]
         if not group:
             return False
+        for row in group:
+            row.start_reading()
         try:
             firsts = [row.prefilled(*first) for row, first in zip(group, verify.prefill_together(self.model, group))]
         except BaseException:

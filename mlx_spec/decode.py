@@ -9,7 +9,6 @@ the same code.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -53,10 +52,8 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
 
 def _generate(decoder: BatchDecoder, uid: int):
     """Each step's block is yielded token by token."""
-    seen = None
-    for row in decoder.active + decoder.waiting:  # the clock starts with the caller's first read,
-        row.tic = time.perf_counter()  # as mlx-lm's generator's does, not when it was made
-    try:
+    seen = None  # (the prompt's clock starts when its reading does, `Row.start_reading`:
+    try:  # after the caller's first read, as mlx-lm's generator's, not when it was made)
         with wired_limit(decoder.model, [generation_stream]):
             while decoder.busy:
                 for _, block in decoder.step():

@@ -84,7 +84,14 @@ class Row:
         self.policy_owner = None  # the drafter `lengths` is the policy of, when not `drafter`
         self.passed = 0  # rows that joined a batch this waiting row could not join, ahead of it
         self.prefill_time = [0, 0.0]  # prompt tokens the target read in chunks, and their seconds
-        self.tic = time.perf_counter()
+        self.tic = time.perf_counter()  # reset when its prompt's reading starts (`start_reading`)
+        self.reading = False
+
+    def start_reading(self) -> None:
+        """The prompt's reading starts now: its prompt_tps counts from here, not from the time it
+        waited behind other rows."""
+        if not self.reading:
+            self.reading, self.tic = True, time.perf_counter()
 
     # ---- inputs ------------------------------------------------------------------------
     def seed_rng(self, phase: int, step: int | None = None) -> None:

@@ -313,3 +313,19 @@ def test_batch_generate_takes_max_tokens_per_prompt():
     assert res.tokens == [reference(model, [5, 6], 3), reference(model, [7, 8, 9], 7)]
     with pytest.raises(ValueError, match="max_tokens is a list of 1 values for 2 prompts"):
         mlx_spec.batch_generate(model, tok, [[5, 6], [7]], None, max_tokens=[3])
+
+
+def test_a_row_that_waited_for_room_reads_its_prompt_at_its_own_speed():
+    """prompt_tps counts from when a row's prompt is read, not from when it was added: with
+    room for one row at a time, the third row waited for two whole answers, and its prompt
+    speed counted that wait (about 100x too slow)."""
+    import time
+
+    model, tok = tiny.llama_model(), tiny.tokenizer()
+    prompts = [[5, 6, 7, 8, 9, 10]] * 3
+    tic = time.perf_counter()
+    out = mlx_spec.batch_generate(model, tok, prompts, max_batch=1, max_tokens=60)
+    total = time.perf_counter() - tic
+    reading = [len(p) / s.prompt_tps for p, s in zip(prompts, out.stats)]
+    assert all(len(t) == 60 for t in out.tokens)
+    assert max(reading) < total / 6, (reading, total)  # each answer took about a third
