@@ -387,7 +387,9 @@ class BatchDecoder:
 
     def release(self, uid: int, seen: int | None = None) -> None:
         """The caller is done with row `uid` (finished or not), having seen `seen` responses of
-        its last block (None: all): its prompt cache is left as the caller saw it."""
+        its last block in `step()`'s result (None: all; a row that started while others decode
+        has two blocks in one step, its first token and then its verified block): its prompt
+        cache is left as the caller saw it."""
         self._carried = [e for e in self._carried if e[0] != uid]
         row = next((r for r in self.waiting if r.uid == uid), None)
         if row is not None:

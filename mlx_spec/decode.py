@@ -73,22 +73,28 @@ class BatchResult:
 def batch_generate(model, tokenizer, prompts: Sequence, drafter=None, *, max_batch: int = 8,
                    **options) -> BatchResult:
     """Generate for several prompts at once: rows verified in one forward, each keeping its
-    own accepted prefix (`BatchDecoder`). `drafter` is None, a function returning a new
+    own accepted prefix (`BatchDecoder`). `drafter` is None, a function (or drafter class) returning a new
     drafter for each prompt, or a drafter whose `fork()` gives each prompt its own state.
     `options` as `stream_generate`'s, for every prompt; `seed` and `max_tokens` may also be
     lists, one value per prompt (one seed for all gives identical prompts identical samples)."""
-    if drafter is None or hasattr(drafter, "propose"):
+    if drafter is None or not isinstance(drafter, type) and hasattr(drafter, "propose"):  # (a class: a maker)
         make = (lambda: None) if drafter is None else drafter.fork
     elif callable(drafter):
         make = drafter
     else:
         raise TypeError(f"drafter must be None, a drafter or a function making one, got "
                         f"{type(drafter).__name__}")
+    if isinstance(prompts, mx.array) and prompts.ndim == 2:  # one prompt a row, as a NumPy array's
+        prompts = prompts.tolist()
     if isinstance(prompts, (str, mx.array)) or (len(prompts) and all(whole(p) for p in prompts)):
         raise TypeError("prompts must be a list of prompts (each a string or a list of token ids), got "
                         f"{'one string' if isinstance(prompts, str) else 'one prompt'}: pass [prompt], or use "
                         "generate / stream_generate for a single prompt")
     each = {}  # options given one value per prompt
+    for name, value in options.items():
+        if isinstance(value, (list, tuple)) and name not in ("seed", "max_tokens", "logits_processors"):
+            raise ValueError(f"{name} takes one value for every prompt, got a list (only seed and "
+                             "max_tokens take one value per prompt)")
     for name in ("seed", "max_tokens"):
         if isinstance(options.get(name), (list, tuple)):
             each[name] = options.pop(name)

@@ -30,6 +30,10 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self):
+        for name in ("temp", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{name} must be a number, got {v!r}")
         if not self.temp >= 0:
             raise ValueError(f"temp must be >= 0, got {self.temp}")
         if not 0 <= self.top_p <= 1:

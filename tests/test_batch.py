@@ -307,6 +307,22 @@ def test_batch_generate_refuses_one_prompt_for_a_list_and_names_a_bad_prompt():
         mlx_spec.batch_generate(model, tok, [[5, 6], [7]], None, max_tokens=2).tokens[0]
 
 
+def test_batch_generate_takes_drafter_classes_and_2d_arrays_and_names_a_list_it_cannot_take():
+    """A drafter class is a function making a drafter (it was taken for a drafter, and its
+    unbound fork() raised a TypeError); a 2-D mx.array is one prompt a row (it was refused as
+    one prompt, while a NumPy array worked); temp=[...] failed in a comparison deep inside."""
+    model, tok = tiny.llama_model(), tiny.tokenizer()
+    prompts = [[5, 6, 5, 6, 5], [7, 8, 9, 7, 8]]
+    want = [reference(model, p, 6) for p in prompts]
+    assert mlx_spec.batch_generate(model, tok, prompts, NGramDrafter, max_tokens=6).tokens == want
+    assert mlx_spec.batch_generate(model, tok, mx.array(prompts), None, max_tokens=6).tokens == want
+    for name, value in (("temp", [0.5, 0.7]), ("num_draft_tokens", (2, 3))):
+        with pytest.raises(ValueError, match=f"{name} takes one value for every prompt"):
+            mlx_spec.batch_generate(model, tok, prompts, None, max_tokens=6, **{name: value})
+    with pytest.raises(ValueError, match="temp must be a number, got"):
+        mlx_spec.generate(model, tok, prompts[0], None, max_tokens=2, temp="0.5")
+
+
 def test_batch_generate_takes_max_tokens_per_prompt():
     model, tok = tiny.llama_model(), tiny.tokenizer()
     res = mlx_spec.batch_generate(model, tok, [[5, 6], [7, 8, 9]], None, max_tokens=[3, 7])
