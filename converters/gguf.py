@@ -23,7 +23,7 @@ from typing import Any
 
 from converters.common import refuse_existing, staging_dir
 from converters.gguf_arch import ArchError, build_config, hf_name, to_hf
-from converters.gguf_tokenizer import TokenizerError, eos_token_ids, save_tokenizer
+from converters.gguf_tokenizer import TokenizerError, check_vocabulary, eos_token_ids, save_tokenizer
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Bump when a conversion's output changes, so that caches built from it (the zoo's) are rebuilt.
@@ -80,12 +80,18 @@ def convert(
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     try:
         config = build_config(md, shapes, _rope_freqs(reader))
-    except ArchError as e:
+        check_vocabulary(md)
+    except (ArchError, TokenizerError) as e:
         raise GGUFError(f"{src}: {e}") from e
     config["eos_token_id"] = eos_token_ids(md)
     if (bos := md.get("tokenizer.ggml.bos_token_id")) is not None:
         config["bos_token_id"] = int(bos)
+    # The embedding may have more rows than the token list (padding), never fewer: an id past
+    # its rows would read memory outside the matrix.
     n_tokens = len(md.get("tokenizer.ggml.tokens", ())) or config["vocab_size"]
+    if n_tokens > config["vocab_size"]:
+        raise GGUFError(f"{src}: its tokenizer has {n_tokens} tokens but token_embd.weight only "
+                        f"{config['vocab_size']} rows; the file is damaged or not a complete model")
     bad = [i for i in [config.get("bos_token_id"), *config["eos_token_id"]] if i is not None and not 0 <= i < n_tokens]
     if bad:
         raise GGUFError(f"{src}: its metadata names special token id(s) {bad} outside its {n_tokens}-token vocabulary")

@@ -97,8 +97,23 @@ def _meta(md: dict[str, Any], key: str, default: Any = ...) -> Any:
     return default
 
 
+def _num(md: dict[str, Any], key: str, cast=int, default: Any = ...) -> Any:
+    """A numeric metadata value, `cast`; a value of another type is refused by name."""
+    value = _meta(md, key, default)
+    if not _is_number(value) or cast is int and value != int(value):
+        raise ArchError(f"the GGUF metadata's {key!r} should be {'an integer' if cast is int else 'a number'}, "
+                        f"got {str(value)[:40]!r}")
+    return cast(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+
+
 def _uniform(value: Any, key: str) -> int:
     """Some files store a per-layer list (e.g. KV heads); mlx-lm's models need one value."""
+    if value == [] or not all(_is_number(v) and v == int(v) for v in (value if isinstance(value, list) else [value])):
+        raise ArchError(f"the GGUF metadata's {key} should be an integer (or one per layer), got {str(value)[:40]!r}")
     if isinstance(value, list):
         if len(set(value)) != 1:
             raise ArchError(f"{key} varies across layers ({sorted(set(value))}); not supported")
@@ -115,11 +130,11 @@ def _rope_scaling(md: dict, arch: str, context: int) -> dict | None:
     kind = md.get(f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
-    factor = _f32(_meta(md, f"{arch}.rope.scaling.factor"))
+    factor = _f32(_num(md, f"{arch}.rope.scaling.factor", float))
     if kind == "linear":
         return {"type": "linear", "factor": factor}
     if kind == "yarn":
-        original = int(md.get(f"{arch}.rope.scaling.original_context_length", context / factor))
+        original = _num(md, f"{arch}.rope.scaling.original_context_length", int, context / factor)
         return {"type": "yarn", "factor": factor, "original_max_position_embeddings": original}
     raise ArchError(f"rope scaling {kind!r} is not supported")
 
@@ -127,17 +142,17 @@ def _rope_scaling(md: dict, arch: str, context: int) -> dict | None:
 def _common(md: dict, arch: str, tensors: dict[str, tuple[int, ...]]) -> dict:
     """The fields llama, qwen2 and gemma3 share; `tensors` maps GGUF names to numpy shapes."""
     heads = _uniform(_meta(md, f"{arch}.attention.head_count"), "head_count")
-    context = int(_meta(md, f"{arch}.context_length"))
+    context = _num(md, f"{arch}.context_length")
     config = {
-        "hidden_size": int(_meta(md, f"{arch}.embedding_length")),
-        "num_hidden_layers": int(_meta(md, f"{arch}.block_count")),
+        "hidden_size": _num(md, f"{arch}.embedding_length"),
+        "num_hidden_layers": _num(md, f"{arch}.block_count"),
         "intermediate_size": _uniform(_meta(md, f"{arch}.feed_forward_length"), "ffn length"),
         "num_attention_heads": heads,
         "num_key_value_heads": _uniform(
             md.get(f"{arch}.attention.head_count_kv", heads), "head_count_kv"
         ),
-        "rms_norm_eps": _f32(_meta(md, f"{arch}.attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(_num(md, f"{arch}.attention.layer_norm_rms_epsilon", float)),
+        "rope_theta": _f32(_num(md, f"{arch}.rope.freq_base", float, 10000.0)),
         "max_position_embeddings": context,
         # The embedding's rows, not the token list: some files pad the matrix.
         "vocab_size": int(_meta(tensors, "token_embd.weight")[0]),
@@ -151,8 +166,8 @@ def _common(md: dict, arch: str, tensors: dict[str, tuple[int, ...]]) -> dict:
 
 def _llama(md: dict, tensors: dict) -> dict:
     config = _common(md, "llama", tensors)
-    head_dim = md.get(
-        "llama.attention.key_length", config["hidden_size"] // config["num_attention_heads"]
+    head_dim = _num(
+        md, "llama.attention.key_length", int, config["hidden_size"] // config["num_attention_heads"]
     )
     if md.get("llama.rope.dimension_count", head_dim) != head_dim:
         raise ArchError("partial rotary embeddings are not supported for llama")
@@ -176,7 +191,7 @@ def _qwen2(md: dict, tensors: dict) -> dict:
 
 def _gemma3(md: dict, tensors: dict) -> dict:
     config = _common(md, "gemma3", tensors)
-    head_dim = int(_meta(md, "gemma3.attention.key_length"))
+    head_dim = _num(md, "gemma3.attention.key_length")
     # llama.cpp's own rule (llama-model.cpp): only the 27B (62 layers) scales queries by
     # hidden/heads; every other size by head_dim. The file does not store the scalar.
     if config["num_hidden_layers"] == 62:
@@ -188,12 +203,12 @@ def _gemma3(md: dict, tensors: dict) -> dict:
         "architectures": ["Gemma3ForCausalLM"],
         "head_dim": head_dim,
         "query_pre_attn_scalar": scalar,
-        "sliding_window": int(_meta(md, "gemma3.attention.sliding_window")),
+        "sliding_window": _num(md, "gemma3.attention.sliding_window"),
         # llama.cpp hard-codes both for Gemma 3: 5 local layers then 1 global, local base 10k.
         "sliding_window_pattern": _window_period(
             md.get("gemma3.attention.sliding_window_pattern", 6)
         ),
-        "rope_local_base_freq": _f32(md.get("gemma3.rope.freq_base_swa", 10000.0)),
+        "rope_local_base_freq": _f32(_num(md, "gemma3.rope.freq_base_swa", float, 10000.0)),
     }
 
 
@@ -226,7 +241,7 @@ def llama3_rope_scaling(factors: np.ndarray, head_dim: int, theta: float) -> dic
 def _window_period(pattern: int | list) -> int:
     """mlx-lm wants a period; newer files may store one sliding/global flag per layer instead."""
     if not isinstance(pattern, list):
-        return int(pattern)
+        return _uniform(pattern, "sliding_window_pattern")
     period = pattern.index(False) + 1 if False in pattern else len(pattern) + 1
     if pattern != [(i + 1) % period != 0 for i in range(len(pattern))]:
         raise ArchError("a non-periodic sliding-window layer pattern is not supported")

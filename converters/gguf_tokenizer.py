@@ -81,6 +81,21 @@ def _post_processor(
     )
 
 
+def check_vocabulary(md: dict[str, Any]) -> None:
+    """Refuse tokenizer metadata of the wrong type by name (a token list that is not strings, a
+    special token id that is not an integer) before anything reads it."""
+    for key, kind in (("tokens", str), ("merges", str), ("token_type", int)):
+        value = md.get(f"tokenizer.ggml.{key}")
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, kind) for v in value)):
+            raise TokenizerError(f"the GGUF metadata's 'tokenizer.ggml.{key}' should be a list of "
+                                 f"{'strings' if kind is str else 'integers'}, got {str(value)[:40]!r}")
+    for key in ("bos", "eos", "eot", "unknown", "padding"):
+        value = md.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TokenizerError(f"the GGUF metadata's 'tokenizer.ggml.{key}_token_id' should be an "
+                                 f"integer, got {str(value)[:40]!r}")
+
+
 def eos_token_ids(md: dict[str, Any]) -> list[int]:
     """The file's EOS and EOT, plus every control token that ends a turn."""
     tokens = md.get("tokenizer.ggml.tokens") or []

@@ -195,6 +195,54 @@ def test_metadata_that_contradicts_the_file_is_named_and_leaves_nothing(tmp_path
     assert _leftovers(tmp_path) == []
 
 
+@pytest.mark.parametrize("key, value, kind, says", [
+    ("llama.embedding_length", "sixty-four", "STRING", "'llama.embedding_length' should be an integer, got 'sixty-four'"),
+    ("llama.block_count", [2, 2], "UINT32", "'llama.block_count' should be an integer, got '.2, 2.'"),
+    ("llama.attention.head_count", 4.9, "FLOAT32", "head_count should be an integer .or one per layer., got '4.9"),
+    ("llama.attention.layer_norm_rms_epsilon", "tiny", "STRING", "layer_norm_rms_epsilon' should be a number"),
+    ("tokenizer.ggml.eos_token_id", "x", "STRING", "'tokenizer.ggml.eos_token_id' should be an integer, got 'x'"),
+    ("tokenizer.ggml.tokens", list(range(300)), "UINT32", "'tokenizer.ggml.tokens' should be a list of strings"),
+    ("tokenizer.ggml.merges", [1, 2, 3], "UINT32", "'tokenizer.ggml.merges' should be a list of strings"),
+])
+def test_metadata_of_the_wrong_type_is_named_and_leaves_nothing(tmp_path, monkeypatch, key, value, kind, says):
+    """(Each was a traceback: int('sixty-four'), 'int' object is not iterable, ...; a head count of
+    4.9 was cut to 4.)"""
+    import gguf
+
+    real = gguf.GGUFWriter.add_key_value
+
+    def add(self, name, val, vtype, *args, **kwargs):
+        if name == key:
+            val = value
+            if isinstance(value, list):
+                vtype, kwargs["sub_type"] = gguf.GGUFValueType.ARRAY, getattr(gguf.GGUFValueType, kind)
+            else:
+                vtype = getattr(gguf.GGUFValueType, kind)
+        return real(self, name, val, vtype, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", add)
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    monkeypatch.undo()
+    with pytest.raises(gg.GGUFError, match=says):
+        gg.convert(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_token_list_longer_than_the_embedding_is_refused(tmp_path, monkeypatch):
+    """Token ids past the embedding's rows (here BOS and EOS) read memory outside the matrix of
+    the converted model; a padded embedding (more rows than tokens) stays allowed."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_tensor
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", lambda self, name, data, *a, **kw: real(
+        self, name, data[:200] if name in ("token_embd.weight", "output.weight") else data, *a, **kw))
+    write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    monkeypatch.undo()
+    with pytest.raises(gg.GGUFError, match=r"its tokenizer has \d+ tokens but token_embd.weight only 200 rows"):
+        gg.convert(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
+    assert _leftovers(tmp_path) == []
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(gg.GGUFError, match="no such file"):
         gg.convert(tmp_path / "nope.gguf", tmp_path / "out", progress=False)
