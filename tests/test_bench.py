@@ -486,12 +486,21 @@ def test_chart_is_skipped_with_a_hint_without_matplotlib(monkeypatch, tmp_path):
     (["--load", "missing.json"], "--load missing.json: no such file"),
     (["--drafter", "."], "--drafter .: name the method that runs it"),
     (["--out", __file__], r"--out .* is a file; the results go in a folder"),  # (found after the run)
+    (["--out", __file__ + "/sub"], r"--out .*/sub: cannot make the results folder there \(.* is a file\)"),
+    (["--suites", "chat, chat"], "a suite is named twice"),  # (paired each run with the other round's baseline)
 ])
 def test_bad_bench_flags_get_one_error_line_before_any_model_is_loaded(flags, message, capsys, monkeypatch):
     monkeypatch.setattr("mlx_spec.bench.cli._measure", lambda args: pytest.fail("a model was loaded"))
     assert cli.main(["bench", "--model", "no-such-model", *flags]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err, err
+
+
+def test_a_cost_context_of_zero_is_refused_by_argparse(capsys, monkeypatch):
+    monkeypatch.setattr("mlx_spec.bench.cli._measure", lambda args: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit):  # (it failed after the model loaded, naming no flag)
+        cli.main(["bench", "--model", "no-such-model", "--cost-context", "0"])
+    assert "--cost-context: expected an integer >= 1" in capsys.readouterr().err
 
 
 def test_a_drafter_gets_its_heads_method_and_a_bare_name_keeps_its_sweep(tmp_path):
@@ -502,6 +511,10 @@ def test_a_drafter_gets_its_heads_method_and_a_bare_name_keeps_its_sweep(tmp_pat
     args.num_draft_tokens = "2,auto"
     bench_cli._check(args)
     assert args.methods == "baseline,ngram,eagle3"
+    args = cli.build_parser(["bench"]).parse_args(["bench", "--suites", " chat , code-edit", "--methods", "ngram"])
+    args.num_draft_tokens = "2"
+    bench_cli._check(args)  # (the run read ' code-edit' as a suite name and failed after the model loaded)
+    assert args.suites == "chat,code-edit"
     ctx = methods.Context(model=None, tokenizer=None)
     plan = methods.plan_variants(["baseline", "ngram@8", "ngram"], [2, "auto"], ctx)
     assert [v.label for v in plan.variants] == ["baseline", "ngram@2", "ngram@auto", "ngram@8"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
@@ -44,9 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=ranged(int, 0), default=0)
     p.add_argument("--min-p", type=ranged(float, 0, 1), default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every method; greedy runs are unseeded)")
-    p.add_argument("--cost-repeats", type=int, default=3,
+    p.add_argument("--cost-repeats", type=ranged(int, 0), default=3,
                    help="timed passes for the verify cost curve (0 skips it)")
-    p.add_argument("--cost-context", type=int, default=256, help="cache length behind the verify blocks")
+    p.add_argument("--cost-context", type=ranged(int, 1), default=256, help="cache length behind the verify blocks")
     p.add_argument("--out", default="bench-results", help="folder for results.json and chart.png")
     p.add_argument("--preset", help="reproduce a claim's configuration; --list-presets shows them")
     p.add_argument("--list-presets", action="store_true", help="list presets and claims, then exit")
@@ -124,9 +125,13 @@ def _check(args) -> None:
     bad = [k for k in args.num_draft_tokens.split(",") if not _draft_length(k.strip())]
     if bad:
         raise ValueError(f"--num-draft-tokens {bad}: each must be 1..{MAX_DRAFT} or auto")
-    unknown = [s for s in (args.suites.split(",") if args.suites else []) if s.strip() not in suite_names()]
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()] if args.suites else []
+    unknown = [s for s in suites if s not in suite_names()]
     if unknown:
         raise ValueError(f"--suites {unknown}: known suites are {', '.join(suite_names())}")
+    if len(set(suites)) < len(suites):  # (a suite twice paired each run with the other round's baseline)
+        raise ValueError(f"--suites {args.suites}: a suite is named twice; name each once")
+    args.suites = ",".join(suites) or None
     for flag, value, low in (("--prompts-per-suite", args.prompts_per_suite, 0), ("--repeats", args.repeats, 1),
                              ("--max-tokens", args.max_tokens, 1)):
         if value < low:
@@ -134,6 +139,10 @@ def _check(args) -> None:
     out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} is a file; the results go in a folder: give a folder path")
+    there = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())  # (checked now,
+    if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):  # not after the whole run)
+        raise ValueError(f"--out {args.out}: cannot make the results folder there ({there} is "
+                         f"{'a file' if not there.is_dir() else 'not writable'})")
     if args.drafter is not None and not any(n.partition("@")[0] in HEADS for n in names):
         config = Path(args.drafter).expanduser() / "config.json"
         kind = json.loads(config.read_text()).get("mlx_spec", {}).get("drafter") if config.is_file() else None
