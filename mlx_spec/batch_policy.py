@@ -23,17 +23,11 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 from . import calibration, learned
 from .adaptive import EMA, EXPLORE, PROBE_FIRST, PROBE_MAX, AdaptiveK, FixedK
-from .cache import MAX_DRAFT
 from .calibration import _read_curve, _write_curve, measure_verify_seconds, model_key, write_json
 from .identity import IdentityMap
-from .learned import TIMING_VERSION, policy_for
-
-if TYPE_CHECKING:
-    from .rows import Row
+from .learned import TIMING_VERSION
 
 log = logging.getLogger("mlx_spec")
 
