@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:  # a real command-line run (not a call from Python): go fast on Linux
         from .fastblas import restart_with_fast_blas
 
-        restart_with_fast_blas(["-m", "mlx_spec", *sys.argv[1:]])
+        restart_with_fast_blas()
         # transformers (imported by mlx-lm for its tokenizers) advises installing PyTorch on
         # import; nothing here uses PyTorch, so that line would only mislead
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")

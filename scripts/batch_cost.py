@@ -23,7 +23,7 @@ import time
 def main() -> int:
     from mlx_spec.fastblas import restart_with_fast_blas
 
-    restart_with_fast_blas([__file__, *sys.argv[1:]])
+    restart_with_fast_blas()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--context", type=int, default=400)

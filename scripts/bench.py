@@ -14,7 +14,7 @@ import sys
 if __name__ == "__main__":
     from mlx_spec.fastblas import restart_with_fast_blas
 
-    restart_with_fast_blas([__file__, *sys.argv[1:]])
+    restart_with_fast_blas()
     from mlx_spec.cli import main
 
     sys.exit(main(["bench", *sys.argv[1:]]))

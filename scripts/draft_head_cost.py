@@ -24,7 +24,7 @@ import time
 def main() -> int:
     from mlx_spec.fastblas import restart_with_fast_blas
 
-    restart_with_fast_blas([__file__, *sys.argv[1:]])
+    restart_with_fast_blas()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--draft-model", default="qwen2.5-coder-0.5b-instruct")
     p.add_argument("--head-vocab", type=int, default=None, help="default: DraftModelDrafter's")

@@ -35,7 +35,7 @@ import time
 def main() -> int:
     from mlx_spec.fastblas import restart_with_fast_blas
 
-    restart_with_fast_blas([__file__, *sys.argv[1:]])
+    restart_with_fast_blas()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft-model", default=None)
@@ -50,6 +50,8 @@ def main() -> int:
                    help="GPU-like: only N rounds of whole plain runs, mlx-spec vs mlx-lm's "
                         "generate_step and stream_generate, interleaved")
     args = p.parse_args()
+    if args.pairs == 1 or args.pairs < 0:
+        p.error("--pairs takes at least 2 rounds (its quartiles need two), or 0 for the other measurements")
     if args.policy or args.gpu_like:
         return policy(args) if args.policy else gpu_like(args)
     args.max_tokens = args.max_tokens or 96

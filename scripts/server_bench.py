@@ -39,7 +39,7 @@ CONTEXT = ("The river starts in the hills, runs past the old mill, under the sto
 def main() -> int:
     from mlx_spec.fastblas import restart_with_fast_blas
 
-    restart_with_fast_blas([__file__, *sys.argv[1:]])
+    restart_with_fast_blas()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--draft", default=None, help="ngram (default), none, mtp, dspark or a head folder")

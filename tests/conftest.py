@@ -23,7 +23,7 @@ def pytest_configure(config):
     if preload_env() is not None:
         # Hand the real stdout/stderr back before the process is replaced.
         config.pluginmanager.getplugin("capturemanager").stop_global_capturing()
-        restart_with_fast_blas(["-m", "pytest", *sys.argv[1:]])
+        restart_with_fast_blas()
 
 
 # Tests that start mlx.launch ranks: they share the ring backend's ports (32323 on), so one
