@@ -15,6 +15,7 @@ group), as it does with `--timeout` when the time is up.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 import shlex
@@ -86,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
     ending, proc = _raise_on((signal.SIGTERM, signal.SIGHUP)), None
     failed: list[tuple[int, int]] = []
     try:
-        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
+        quiet_stdin(proc)
         reader = threading.Thread(target=_relay, args=(proc.stderr, failed), daemon=True)
         reader.start()
         rc = _wait(proc, args.timeout, failed)
@@ -147,6 +149,30 @@ def _raise_on(signals) -> callable:
     except ValueError:  # not the main thread: leave the handlers alone
         return lambda: None
     return lambda: [signal.signal(sig, old) for sig, old in before.items()]
+
+
+STDIN_FILL = 1 << 20  # bytes: more than a pipe to a rank holds
+
+
+def quiet_stdin(proc: subprocess.Popen) -> None:
+    """Keep mlx.launch `proc` (started with stdin=PIPE) from spinning. Its thread for each rank
+    waits in select() for the rank's stdin to become writable, and a pipe nobody reads always is,
+    so each thread spins (2 ranks sleeping 6 s cost 8 CPU-seconds, half of it in the kernel; on
+    2 cores the ranks lose one). A full pipe is not writable: mlx.launch's stdin gets more than
+    a rank's pipe holds (the ranks never read it: a prompt from stdin reaches them as an
+    argument) and stays open (at end of file its own loop spins too) while `proc` lives."""
+    pipe, proc.stdin = proc.stdin, None  # (communicate() would close it)
+    proc._quiet_stdin = pipe
+    fill = "\n" * STDIN_FILL if isinstance(pipe, io.TextIOBase) else b"\n" * STDIN_FILL
+
+    def feed() -> None:
+        try:
+            pipe.write(fill)
+            pipe.flush()
+        except (OSError, ValueError):  # mlx.launch ended (or could not start)
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None, failed: list) -> int | None:

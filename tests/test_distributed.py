@@ -18,6 +18,7 @@ import mtp_checkpoints
 import tiny
 from dist_checkpoints import dflash_head, eagle3_head, save, v4_checkpoint
 from mlx_spec import distributed
+from mlx_spec.launch import quiet_stdin
 
 HERE = Path(__file__).parent
 WORKER = HERE / "dist_worker.py"
@@ -57,8 +58,9 @@ def launch(n, *args, timeout=180, env=None):
     with it (killing mlx.launch alone leaves the ranks running, spinning in the ring
     backend and slowing every later test), and the timeout is reported with their output."""
     cmd = [str(LAUNCH), "-n", str(n), "--backend", "ring", "--", sys.executable, *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env or ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, env=env or ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    quiet_stdin(proc)  # (else mlx.launch spins a core's worth while the ranks run)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
