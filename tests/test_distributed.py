@@ -405,3 +405,22 @@ def test_ranks_holding_different_models_are_refused_by_name(folders, tmp_path):
                   "--ignore-chat-template", "--max-tokens", "4", timeout=120)
     assert "exited with code 2" in done.stderr  # (mlx.launch itself exits 0: `mlx-spec launch` reads this)
     assert "rank 1 loaded a model of another configuration than rank 0's" in done.stderr, done.stderr[-2000:]
+
+
+def test_mlx_launch_does_not_spin_while_its_ranks_run():
+    """mlx.launch's thread for each rank waits for the rank's stdin to become writable; with a
+    pipe nobody reads (or /dev/null) it spun: 2 ranks sleeping 6 s cost it 8 CPU-seconds,
+    half in the kernel, a core taken from the ranks on a 2-core machine."""
+    import resource
+
+    cmd = [str(LAUNCH), "-n", "2", "--backend", "ring", "--",
+           sys.executable, "-c", "import time; time.sleep(4)"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    quiet_stdin(proc)
+    out, err = proc.communicate(timeout=60)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    used = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+    assert proc.returncode == 0, err[-2000:]
+    assert used < 1.5, f"{used:.1f} CPU-seconds for two ranks that sleep 4 s"
