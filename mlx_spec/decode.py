@@ -52,8 +52,10 @@ def stream_generate(model, tokenizer, prompt: str | Sequence[int] | mx.array,
 
 def _generate(decoder: BatchDecoder, uid: int):
     """Each step's block is yielded token by token."""
-    seen = None  # (the prompt's clock starts when its reading does, `Row.start_reading`:
-    try:  # after the caller's first read, as mlx-lm's generator's, not when it was made)
+    # (The prompt's clock starts when its reading does, `Row.start_reading`: after the caller's
+    # first read, as mlx-lm's generator's, not when the generator was made.)
+    seen = None
+    try:
         with wired_limit(decoder.model, [generation_stream]):
             while decoder.busy:
                 for _, block in decoder.step():

@@ -42,9 +42,9 @@ class Draft:
     parents: tuple[int, ...] | None = None
 
     def __post_init__(self):  # (shapes only: nothing lazy is evaluated)
-        k = self.tokens.shape[0] if self.tokens.ndim == 1 else None
-        if k is None:
+        if self.tokens.ndim != 1:
             raise ValueError(f"a Draft's tokens must be one row of token ids, got shape {self.tokens.shape}")
+        k = self.tokens.shape[0]
         if self.parents is not None and len(self.parents) != k:
             raise ValueError(f"a tree Draft needs one parent per token: {k} tokens, {len(self.parents)} parents")
         if self.q is not None and self.q.shape[0] != k:
