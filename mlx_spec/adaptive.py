@@ -97,7 +97,7 @@ class AdaptiveK:
     together: object = None  # rows whose policies share this key draft in one forward per depth
     kept_all: bool = False  # the last step drafted and the target kept every token of it
     solo: bool = False  # a seeded sampled request's: in a batch too, its own lengths (its draws repeat)
-    shapes: object = None  # tree.ShapeChoice: how much of a draft tree pays (kept across requests)
+    shapes: object = None  # tree_shape.ShapeChoice: how much of a draft tree pays (kept across requests)
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)

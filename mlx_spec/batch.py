@@ -33,7 +33,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import batch_cache, batch_plain, batch_quantized, tree, verify
+from . import batch_cache, batch_plain, batch_quantized, tree_shape, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
 from .agreed import agree_seed
@@ -68,7 +68,7 @@ class BatchDecoder:
         self.kind = None  # the cache kind of the batch's rows (`batch_cache.kind`)
         self.flight = None  # a batched plain step in flight (batch_plain), built ahead
         self._uids = itertools.count()
-        self._said_solo = self._said_chain = False
+        self._said_solo = False
         self._carried: list = []  # events of a step that raised a row's callback error (`step`)
         self._stopped: list[Exception] = []  # those errors, this step
 
@@ -320,14 +320,14 @@ class BatchDecoder:
             rows[0].req.quantize_cache(cache)  # (rows in a batch are settled: batch_cache.kind)
         for row, k in zip(rows, ks):  # auto's tree shape, before drafting when the drafter can take it
             if k and getattr(row.drafter, "plans_trees", bool)():
-                if not self._trees_verify(row, cache, len(rows)):
+                if not tree_shape.verifies_trees(self.model, row, cache, len(rows)):
                     row.drafter.plan_tree(0)  # a chain: only one branch of a tree would be verified
                 elif isinstance(row.lengths, AdaptiveK):
-                    row.drafter.plan_tree(self._pick_shape(row))
+                    row.drafter.plan_tree(tree_shape.pick(self.model, row))
         drafts = propose(rows, ks)
         for row, k, d in zip(rows, ks, drafts):
             row.offer = (k, d.size)  # asked, proposed (before any trimming)
-        drafts = [self._tree_or_chain(d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
+        drafts = [tree_shape.shaped(self.model, d, row, cache, len(rows)) for d, row in zip(drafts, rows)]
         if len(rows) > 1 and any(d.size for d in drafts):
             drafts = _trimmed(self.model, rows, drafts)
         if all(d.size == 0 for d in drafts) and all(map(batch_plain.eligible, rows)):
@@ -336,39 +336,6 @@ class BatchDecoder:
             return drafts, verdicts, timed
         self._land()
         return drafts, verify.verify(self.model, cache, rows, drafts), True
-
-    def _tree_or_chain(self, draft, row: Row, cache: list, width: int):
-        """A tree is verified as one when this step can (plain KV layers, ropes that take a
-        position per row in a batch, no logits processors); otherwise its first branch is
-        (said once)."""
-        if draft.parents is None or tree.is_chain(draft.parents):
-            return draft if draft.parents is None else tree.as_chain(draft)
-        if self._trees_verify(row, cache, width):
-            if not isinstance(row.lengths, AdaptiveK) or row.shape_pick is not None:
-                return draft  # a fixed k: the shape asked for; or auto's, drafted as picked
-            shape = self._pick_shape(row)
-            return row.lengths.shapes.apply(draft, shape)
-        if not self._said_chain:
-            self._said_chain = True
-            log.info("draft trees need a target with plain KV caches, ropes that alone place positions "
-                     "(in a batch, a position per row) and no logits processors; verifying their "
-                     "first branch as a chain instead")
-        return tree.as_chain(draft)
-
-    def _trees_verify(self, row: Row, cache: list, width: int) -> bool:
-        """Whether this step can verify a tree (plain KV layers, ropes that take a position per
-        row in a batch, no logits processors)."""
-        return tree.tree_capable(cache, self.model, batch=width > 1) and not row.req.logits_processors
-
-    def _pick_shape(self, row: Row) -> int:
-        """auto: how much of the tree, by what each shape has paid (on a sharded target every
-        rank takes rank 0's pick: timed choices may differ between ranks)."""
-        from .agreed import agree_lengths
-
-        policy = row.lengths  # (its ShapeChoice carries over to the next request, as its tables do)
-        policy.shapes = policy.shapes or tree.ShapeChoice()
-        row.shape_pick = agree_lengths(self.model, [(policy.shapes.pick(), None)])[0][0]
-        return row.shape_pick
 
     # ---- leaving -----------------------------------------------------------------------
     def _finish(self, row: Row) -> None:

@@ -148,7 +148,7 @@ def _learned(policy: AdaptiveK) -> dict:
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
     data["timing"] = TIMING_VERSION
-    if policy.shapes is not None:  # tokens per second each tree shape gave (`tree.ShapeChoice`)
+    if policy.shapes is not None:  # tokens per second each tree shape gave (`tree_shape.ShapeChoice`)
         data["tree_shapes"] = {str(k): v for k, v in policy.shapes.rate.items() if v is not None}
     if getattr(policy, "frees", None) is not None:  # `SourceChoice`: the free source's own
         data["frees"], data["free_share"] = [_learned(p) for p in policy.frees], policy.free_share
@@ -209,7 +209,7 @@ def _set_learned(policy: AdaptiveK, v: dict) -> None:
     if "shape" in v:
         policy.scale, policy.shape = v["scale"], v["shape"]
         if v["trees"]:
-            from .tree import ShapeChoice
+            from .tree_shape import ShapeChoice
 
             policy.shapes = ShapeChoice.known(v["trees"])
     if "frees" in v:

@@ -266,7 +266,7 @@ def gpu_like(args) -> int:
 def policy(args) -> int:
     """Microseconds per step of the draft-length policy (`choose` then `observe`), for
     growing k_max, with the replay term of recurrent targets; plus what a tree step adds
-    (`tree.ShapeChoice`: how much of the tree to verify)."""
+    (`tree_shape.ShapeChoice`: how much of the tree to verify)."""
     import random
 
     from mlx_spec.adaptive import AdaptiveK, CostModel
@@ -287,7 +287,7 @@ def policy(args) -> int:
                 times.append(time.perf_counter() - tic)
             kind = "recurrent target (replays)" if replays else "KV target"
             print(f"k_max {k_max:2d}, {kind:27s} {_median(times) * 1e6:6.1f} us")
-    from mlx_spec.tree import ShapeChoice
+    from mlx_spec.tree_shape import ShapeChoice
 
     shapes, times = ShapeChoice(), []
     for i in range(2000):

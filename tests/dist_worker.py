@@ -147,7 +147,7 @@ def tree_auto(model, tok, prompt) -> tuple[list[int], int]:
     The draft length is held at its largest on every rank: left to auto, a loaded machine's
     timings could park drafting for the whole run, and then no tree is ever verified."""
     from mlx_spec.adaptive import AdaptiveK
-    from mlx_spec.tree import ShapeChoice
+    from mlx_spec.tree_shape import ShapeChoice
 
     real, choose = ShapeChoice.pick, AdaptiveK.choose
     if mx.distributed.init().rank() == 1:

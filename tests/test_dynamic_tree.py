@@ -13,7 +13,7 @@ from mlx_lm.models.cache import KVCache
 import lossless as L
 import mlx_spec
 import tiny
-from mlx_spec import dynamic_tree, learned, tree
+from mlx_spec import dynamic_tree, learned, tree, tree_shape
 from mlx_spec.sampling import Sampling
 from runs import mlx_lm_greedy as reference
 from test_tree import spy_picks
@@ -352,7 +352,7 @@ def test_auto_plans_each_tree_before_it_is_drafted(monkeypatch):
     out = list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=60,
                                         num_draft_tokens="auto", seed=0))
     assert [r.token for r in out] == reference(target, PROMPT, 60)
-    assert [plan for plan, _, _ in d.made] == picks and set(picks) == set(tree.ShapeChoice.SHAPES), picks
+    assert [plan for plan, _, _ in d.made] == picks and set(picks) == set(tree_shape.ShapeChoice.SHAPES), picks
     for plan, draft, rows in d.made:
         if plan == 0:
             assert draft.parents is None and rows == 0

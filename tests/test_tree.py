@@ -14,7 +14,7 @@ import lossless as L
 import mlx_spec
 from mlx_spec import learned
 import tiny
-from mlx_spec import tree
+from mlx_spec import tree, tree_shape
 from mlx_spec.drafters.base import Draft, PlansTrees
 from runs import mlx_lm_greedy as reference
 
@@ -194,8 +194,8 @@ def test_auto_trims_trees_to_the_budget_that_pays(wide, want, monkeypatch):
     out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, Deep(model, PROMPT, 120),
                                         max_tokens=120, num_draft_tokens="auto", seed=0))
     assert [r.token for r in out] == reference(model, PROMPT, 120)
-    assert len(picks) >= 20 and set(picks) == set(tree.ShapeChoice.SHAPES), picks  # all tried
-    settled = picks[len(tree.ShapeChoice.SHAPES):]  # after each shape's first try
+    assert len(picks) >= 20 and set(picks) == set(tree_shape.ShapeChoice.SHAPES), picks  # all tried
+    settled = picks[len(tree_shape.ShapeChoice.SHAPES):]  # after each shape's first try
     assert settled.count(want) > 0.75 * len(settled), picks
 
 
@@ -204,12 +204,12 @@ def spy_picks(monkeypatch) -> list[int]:
     """Every shape `auto` picks, in order."""
     picks = []
 
-    class Spy(tree.ShapeChoice):
+    class Spy(tree_shape.ShapeChoice):
         def pick(self):
             picks.append(super().pick())
             return picks[-1]
 
-    monkeypatch.setattr(tree, "ShapeChoice", Spy)
+    monkeypatch.setattr(tree_shape, "ShapeChoice", Spy)
     return picks
 
 
@@ -246,7 +246,7 @@ def test_a_lone_rows_tree_shape_is_weighed_with_its_drafting_time(slow, want, mo
                                         num_draft_tokens="auto"))
     assert [r.token for r in out] == reference(model, PROMPT, 120)
     assert drafter.made == [8 // s if s else 0 for s in picks]  # each drafted as planned
-    settled = picks[len(tree.ShapeChoice.SHAPES):]
+    settled = picks[len(tree_shape.ShapeChoice.SHAPES):]
     chains = settled.count(0)
     assert len(settled) >= 10, picks
     assert chains > 0.75 * len(settled) if want == "chain" else chains < 0.25 * len(settled), picks

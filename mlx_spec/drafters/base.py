@@ -170,7 +170,7 @@ class PlansTrees:
     """What a drafter that grows dynamic trees (`tree_budget`, `tree_width`) offers `auto`: the
     next proposal's shape is chosen before it is drafted (`plan_tree`: the whole tree, one with
     half or a quarter of the nodes and narrower depths, or a chain), so a step that verifies a
-    chain or a small tree pays only its own draft forwards (`mlx_spec.tree.ShapeChoice`)."""
+    chain or a small tree pays only its own draft forwards (`mlx_spec.tree_shape.ShapeChoice`)."""
 
     tree_budget: int | None = None
     tree_width: int = 4
