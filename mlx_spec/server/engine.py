@@ -36,6 +36,7 @@ from ..handover import explain, materialize
 from .events import Failed, Finished, Job, Piece, Usage, drafter_kind, logprob  # noqa: F401
 from .link import Plan
 from .metrics import Metrics
+from .params import with_history
 from .text import StopCutter
 
 log = logging.getLogger("mlx_spec.server")
@@ -389,18 +390,3 @@ class Engine:
         if self.on_fatal is not None:
             self.on_fatal(error)
 
-
-HISTORY = 1024  # cached prompt tokens a penalty may read (mlx-lm's penalties read the last 20)
-
-
-def with_history(processors: list, before: list[int]) -> list:
-    """`processors` for a request whose prompt starts with `before`, already in its prompt cache:
-    they see the tokens the decoder never feeds (a cache hit must not change a penalty's output)."""
-    import mlx.core as mx
-
-    prefix = mx.array(before[-HISTORY:], mx.uint32)
-
-    def seeing(proc):
-        return lambda tokens, logits: proc(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
-
-    return [seeing(p) for p in processors]

@@ -127,6 +127,22 @@ class Processors(list):
         self.recipe = recipe
 
 
+HISTORY = 1024  # cached prompt tokens a penalty may read (mlx-lm's penalties read the last 20)
+
+
+def with_history(processors: list, before: list[int]) -> list:
+    """`processors` for a request whose prompt starts with `before`, already in its prompt cache:
+    they see the tokens the decoder never feeds (a cache hit must not change a penalty's output)."""
+    import mlx.core as mx
+
+    prefix = mx.array(before[-HISTORY:], mx.uint32)
+
+    def seeing(proc):
+        return lambda tokens, logits: proc(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
+
+    return [seeing(p) for p in processors]
+
+
 def _draft(body: Body, engine) -> bool:
     kind = body.raw("draft", None)
     if kind is None:
