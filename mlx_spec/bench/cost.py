@@ -17,8 +17,8 @@ from typing import Sequence
 def verify_times(model, n_max: int = 16, context: int = 256, repeats: int = 3) -> list[float]:
     """Seconds of one target forward over n = 1..n_max tokens after `context` cached tokens.
 
-    The fastest of `repeats` timed passes (interference only adds time), made
-    non-decreasing in n; `times[n - 1]` is the block of n tokens.
+    The fastest of `repeats` timed passes at each n (interference only adds time);
+    `times[n - 1]` is the block of n tokens. A wider block may cost less.
     """
     from ..calibration import measure_verify_seconds
 
