@@ -98,6 +98,9 @@ class AdaptiveK:
     kept_all: bool = False  # the last step drafted and the target kept every token of it
     solo: bool = False  # a seeded sampled request's: in a batch too, its own lengths (its draws repeat)
     shapes: object = None  # tree_shape.ShapeChoice: how much of a draft tree pays (kept across requests)
+    # k -> [timed steps at k, sum of their seconds / the target's calibrated forward alone]
+    # (`calibration.suspect`: a curve measured while the machine was busier; this process only)
+    witness: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.k_max = min(self.k_max, len(self.costs.verify) - 1)
@@ -274,6 +277,9 @@ class AdaptiveK:
             # shape[k] learns, from steps at several k (n-gram misses, probes,
             # exploration), how this k really compares with the others.
             ratio = seconds / self.calibrated_seconds(proposed)
+            seen_k = self.witness.setdefault(proposed, [0, 0.0])
+            seen_k[0] += 1
+            seen_k[1] += seconds / self.costs.verify[proposed]  # drafting left out: a lower bound
             shape = self.shape.get(proposed, 1.0)
             self.scale = ratio / shape if self.scale is None else self.scale + 2 * EMA * (ratio / shape - self.scale)
             self.shape[proposed] = shape + EMA * (ratio / self.scale - shape)

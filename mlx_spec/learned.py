@@ -147,7 +147,7 @@ def save_learned(policy: AdaptiveK, path: Path) -> None:
 def _learned(policy: AdaptiveK) -> dict:
     data = {name: getattr(policy, name) for name in LEARNED}
     data["shape"] = {str(k): v for k, v in policy.shape.items()}
-    data["timing"] = TIMING_VERSION
+    data["timing"], data["curve"] = TIMING_VERSION, policy.costs.verify[0]
     if policy.shapes is not None:  # tokens per second each tree shape gave (`tree_shape.ShapeChoice`)
         data["tree_shapes"] = {str(k): v for k, v in policy.shapes.rate.items() if v is not None}
     if getattr(policy, "frees", None) is not None:  # `SourceChoice`: the free source's own
@@ -194,7 +194,9 @@ def _read_learned(policy: AdaptiveK, data: dict, sources: bool = True) -> dict:
         raise ValueError("acceptances outside 0..1 or counts not finite and >= 0")  # damaged: start cold
     carried = [[_carried(a, n) for a, n in zip(*rows)] for rows in zip(accept, seen)]
     out = {"accept": [[a for a, _ in row] for row in carried], "seen": [[n for _, n in row] for row in carried]}
-    if data.get("timing") == TIMING_VERSION:  # step times taken as this version takes them
+    # Step times taken as this version takes them, against the same cost curve (one measured
+    # again, `calibration.suspect`, makes what they were learned against another scale).
+    if data.get("timing") == TIMING_VERSION and data.get("curve") == policy.costs.verify[0]:
         out["scale"] = None if data["scale"] is None else _finite(data["scale"])
         out["shape"] = {int(k): _finite(v) for k, v in data["shape"].items()}
         out["trees"] = {int(k): _finite(v, low=-math.inf) for k, v in (data.get("tree_shapes") or {}).items()}

@@ -263,6 +263,10 @@ class Row:
         if isinstance(self.lengths, AdaptiveK) and self.lengths.timed and self.stats.target_forwards:
             owner = self.policy_owner or self.drafter
             save_learned(self.lengths, policy_file(self.model, owner, self.req.sampling))
+            if self.lengths.witness:
+                from .calibration import suspect
+
+                suspect(self.model, self.lengths.witness)
 
     def _finish_cache(self, seen: int) -> None:
         want = len(self.req.prompt) + len(self.out)
