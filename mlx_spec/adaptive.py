@@ -63,12 +63,29 @@ CURIOUS = 8
 STATES = 2  # acceptance tables: 1 after a step that kept its first draft token, else 0
 
 
+PAD_SAVING = 0.9  # a block runs wider only where that width costs at most this share of its own
+
+
 @dataclass
 class CostModel:
     """Seconds to verify n = 1..N_MAX tokens, and to draft one token."""
 
     verify: list[float]  # verify[n - 1] = seconds for a forward over n tokens
     draft_per_token: float = 0.0
+    widths: list[int] | None = None  # widths[n - 1]: the width a block of n tokens runs at (`padded`)
+
+    @classmethod
+    def padded(cls, measured: list[float], draft_per_token: float = 0.0) -> CostModel:
+        """Costs for a loop that runs a block of n >= 2 tokens at the cheapest width m >= n when
+        that saves at least a tenth (`PAD_SAVING`): the extra rows are filler whose logits
+        are never read, and the cache keeps only the accepted prefix, as always. A wider
+        forward can cost less than a narrower one (the matmul library's kernels: see
+        `mlx_spec.calibration`); `verify[n - 1]` is then the width's cost."""
+        widths = [1]  # a plain step is never padded
+        for n in range(2, len(measured) + 1):
+            m = min(range(n, len(measured) + 1), key=lambda w: measured[w - 1])  # (the narrowest of ties)
+            widths.append(m if measured[m - 1] <= PAD_SAVING * measured[n - 1] else n)
+        return cls([measured[m - 1] for m in widths], draft_per_token, widths)
 
     def step_seconds(self, k: int) -> float:
         return self.verify[k] + self.draft_per_token * k

@@ -45,7 +45,10 @@ def policy_for(model, drafter, k_max: int, replays: bool = False, sampling=None,
         from .sources import SourceChoice  # a mixed drafter with a free member: one source a step
 
         kind = SourceChoice if getattr(drafter, "free_member", None) is not None else AdaptiveK
-        return kind(CostModel(verify, per_token), k_max, replays=replays, timed=not seeded)
+        # Blocks run at a cheaper wider width where one exists; not on recurrent targets, where
+        # the filler would be a rejection to replay every step (`verify.padded_width`).
+        costs = CostModel(verify, per_token) if replays else CostModel.padded(verify, per_token)
+        return kind(costs, k_max, replays=replays, timed=not seeded)
 
     if seeded:
         return fresh()

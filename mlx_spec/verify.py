@@ -230,11 +230,26 @@ def _forward(model, cache: list, blocks: list, inputs: list, drafts: list):
     return tree.forward_rows(model, cache, mx.stack(inputs), parents)
 
 
+def padded_width(rows: list, drafts: list[Draft], cache: list) -> int:
+    """The width of the step's block: `[y, d0 .. d(k-1)]`, or for a lone row's chain over plain
+    KV layers, the cheaper wider width its policy's costs name (`CostModel.padded`). Filler
+    rows (copies of y) are computed and never read: acceptance, taps and the cache keep
+    only the block's own rows. (Not in batches, whose widths their own curve prices, nor
+    over window, quantized or recurrent layers, which a filler could evict from or advance.)"""
+    T = 1 + max(d.size for d in drafts)
+    if len(rows) > 1 or drafts[0].parents is not None or T == 1:
+        return T
+    widths = getattr(getattr(rows[0].lengths, "costs", None), "widths", None)
+    if widths is None or T > len(widths) or not all(type(c) is KVCache for c in cache):
+        return T
+    return widths[T - 1]
+
+
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
     """One target forward over every row's block, a chain or a tree; each keeps what it accepted."""
     single = len(rows) == 1  # (a lone row's cache was quantized before its drafts: BatchDecoder)
     blocks = [CHAIN if d.parents is None else Tree(cache, d) for d in drafts]
-    T = 1 + max(d.size for d in drafts)
+    T = padded_width(rows, drafts, cache)
     ckpt = checkpoint(model, cache, len(rows))
     try:
         inputs = [mx.concatenate([mx.array([r.y], mx.uint32), d.tokens]
