@@ -9,12 +9,13 @@ these seconds.
 
 The curve is not forced to grow with n: on this project's CPU (OpenBLAS, float32) a
 16-token forward of Qwen2.5-Coder-1.5B took 0.77 s against 1.50 s for 12 tokens and 0.48 s
-for one, and the loop pays what each width costs. A curve measured while other work
-shared the machine is dearer than the machine, and not evenly across n, so `auto` would
-choose its lengths from wrong costs for as long as the curve is kept. Two guards: each n
-is the fastest of several interleaved passes, and a slow pass at one n stays at that n; and when a request's steps took well under the
-curve's time for their forward alone (`suspect`), the curve is set aside and the next
-process measures it again, keeping for each n the faster of the two measurements.
+for one, and a lone request's chain runs at the cheapest width that saves a tenth
+(`adaptive.CostModel.padded`). A curve measured while other work shared the machine is
+dearer than the machine, and not evenly across n, so `auto` would choose its lengths from
+wrong costs for as long as the curve is kept. Two guards: each n is the fastest of
+several interleaved passes, so a slow pass at one n stays at that n; and when a request's
+steps took well under the curve's time for their forward alone (`suspect`), the curve is
+set aside and the next process measures it again, keeping for each n the faster of the two.
 """
 
 from __future__ import annotations
