@@ -73,6 +73,12 @@ class CostModel:
     verify: list[float]  # verify[n - 1] = seconds for a forward over n tokens
     draft_per_token: float = 0.0
     widths: list[int] | None = None  # widths[n - 1]: the width a block of n tokens runs at (`padded`)
+    measured: list[float] | None = None  # each width's own cost, when `verify` is padded's
+
+    @property
+    def unpadded(self) -> list[float]:
+        """Seconds of a forward over exactly n tokens (what a batch's verify, never padded, pays)."""
+        return self.verify if self.measured is None else self.measured
 
     @classmethod
     def padded(cls, measured: list[float], draft_per_token: float = 0.0) -> CostModel:
@@ -85,7 +91,7 @@ class CostModel:
         for n in range(2, len(measured) + 1):
             m = min(range(n, len(measured) + 1), key=lambda w: measured[w - 1])  # (the narrowest of ties)
             widths.append(m if measured[m - 1] <= PAD_SAVING * measured[n - 1] else n)
-        return cls([measured[m - 1] for m in widths], draft_per_token, widths)
+        return cls([measured[m - 1] for m in widths], draft_per_token, widths, list(measured))
 
     def step_seconds(self, k: int) -> float:
         return self.verify[k] + self.draft_per_token * k

@@ -285,7 +285,8 @@ def _seconds(model, policies: list, ks: list[int], costs: BatchCosts | None, dra
     """Predicted seconds of a batch step with draft lengths `ks` (`drafting`: with the drafters' time)."""
     auto = next(p for p in policies if isinstance(p, AdaptiveK))
     width = 1 + max(ks)
-    seconds = batch_seconds(model, auto.costs.verify, len(policies), width)
+    narrow = auto.costs.verify if len(policies) == 1 else auto.costs.unpadded  # (a lone row's chain is padded)
+    seconds = batch_seconds(model, narrow, len(policies), width)
     if drafting:
         seconds += _drafting_seconds(policies, ks)
     # Seeded sampled rows choose from the calibration and the tokens alone (a seeded run repeats).

@@ -99,3 +99,16 @@ def test_the_check_catches_a_wrong_rule_through_padded_blocks(monkeypatch):
     """Wrong on purpose: a rejected point-mass draft is redrawn from p, not p without it."""
     use_rule(monkeypatch, wrong_rule(residual="p"))
     assert_caught(*padded_runs(monkeypatch, 300, seed0=10_000))
+
+
+def test_a_batch_is_priced_at_the_width_it_runs_at():
+    """A batch's verify is never padded: two rows of 3 tokens cost a forward over 6, not the
+    cheaper 16 a lone row's block of 6 would run at."""
+    from mlx_spec.batch_policy import _seconds
+
+    measured = [1.0 + 0.1 * n for n in range(17)]
+    measured[15] = 0.5  # 16 tokens: the cheapest width but for one
+    costs = CostModel.padded(measured)
+    alone, other = adaptive.AdaptiveK(costs, 16), adaptive.AdaptiveK(costs, 16)
+    assert _seconds(None, [alone], [5], None, drafting=False) == 0.5  # runs 16 wide
+    assert _seconds(None, [alone, other], [2, 2], None, drafting=False) == measured[5]
