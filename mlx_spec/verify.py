@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 from . import acceptance, tree
 from .batch_cache import checkpoint
 from .cache import WindowKVCache
-from .drafters.base import Draft
+from .drafters.base import Draft, vocab_size
 from .overlap import overlapped
 
 
@@ -245,9 +245,31 @@ def padded_width(rows: list, drafts: list[Draft], cache: list) -> int:
     return widths[T - 1]
 
 
+def in_vocab(drafts: list[Draft], V: int) -> list[Draft]:
+    """The drafts as the target reads them: ids clamped into its vocabulary of V. An id past
+    the embedding table would be read unchecked by MLX (a crash, or garbage); one that was
+    out of range is refused after the step's read (`refuse_outside`). A q over another
+    vocabulary is refused now."""
+    for d in drafts:
+        if d.q is not None and d.q.shape[-1] != V:
+            raise ValueError(f"the drafter's q has {d.q.shape[-1]} probabilities a token, the target's vocabulary "
+                             f"{V}: a Draft's q must be a distribution over the target's token ids")
+    return [Draft(mx.minimum(d.tokens.astype(mx.uint32), V - 1), d.q, d.length, d.parents) for d in drafts]
+
+
+def refuse_outside(tokens: list[int], V: int) -> None:
+    bad = [t for t in tokens if not 0 <= t < V]
+    if bad:
+        raise ValueError(f"the drafter proposed token id {bad[0]}, outside the target's vocabulary (0..{V - 1}): "
+                         "a drafter must propose target token ids (a draft over another tokenizer needs its "
+                         "ids mapped to the target's)")
+
+
 def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]:
     """One target forward over every row's block, a chain or a tree; each keeps what it accepted."""
     single = len(rows) == 1  # (a lone row's cache was quantized before its drafts: BatchDecoder)
+    V, raw = vocab_size(model), [d.tokens for d in drafts]
+    drafts = in_vocab(drafts, V)
     blocks = [CHAIN if d.parents is None else Tree(cache, d) for d in drafts]
     T = padded_width(rows, drafts, cache)
     ckpt = checkpoint(model, cache, len(rows))
@@ -263,9 +285,11 @@ def verify(model, cache: list, rows: list, drafts: list[Draft]) -> list[Verdict]
             row.seed_rng(1)
             arrays.append(blocks[i].accept(rows_logits[i], d, row.req.sampling))
         tic = time.perf_counter()
-        mx.eval(arrays)  # the one sync
+        mx.eval(arrays, raw)  # the one sync
         wait = time.perf_counter() - (queued.at or tic)  # MLX had work from the first piece on
         verdicts, kept, keeps = [], [], []
+        for ids in raw:
+            refuse_outside(ids.tolist(), V)
         for i, (row, d) in enumerate(zip(rows, drafts)):
             proposed, n, nxt, at = blocks[i].walk([a.tolist() for a in arrays[i]], row.req.sampling)
             kept.append([row.y] + proposed[:n])

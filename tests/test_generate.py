@@ -185,3 +185,51 @@ def test_padded_draft_vocabulary_is_fitted_to_the_target():
     assert got == reference(model, PROMPT, 30)
     got, _ = run(model, drafter, max_tokens=30, temp=1.0, seed=1)
     assert max(got) < tiny.VOCAB
+
+
+class _Scripted:
+    """A user's own drafter: proposes `tokens` (and `q`) every step, whatever the text."""
+
+    taps, max_draft = (), 16
+
+    def __init__(self, tokens, q=None):
+        self.tokens, self.q = tokens, q
+
+    def bind(self, model, tokenizer):
+        pass
+
+    def prefill(self, tokens, taps):
+        pass
+
+    def propose(self, y, k, sampling):
+        import mlx.core as mx
+
+        return mlx_spec.Draft(mx.array(self.tokens), None if self.q is None else mx.array(self.q))
+
+    def commit(self, tokens, taps):
+        pass
+
+
+@pytest.mark.parametrize("ids", [[5, tiny.VOCAB + 3], [-1, 5], [2 ** 31, 6]])
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_a_drafter_proposing_ids_outside_the_vocabulary_is_refused(ids, temp):
+    """An id past the target's embedding table is never fed to it (MLX reads past the end
+    unchecked: a crash or garbage), and the request ends with an error naming the drafter."""
+    import numpy as np
+
+    model = target("llama-gqa")
+    q = None if temp == 0 else np.full((len(ids), tiny.VOCAB), 1 / tiny.VOCAB, np.float32)
+    with pytest.raises(ValueError, match=rf"proposed token id {ids[-1] if ids[0] == 5 else ids[0]}, outside the "
+                                         rf"target's vocabulary \(0..{tiny.VOCAB - 1}\)"):
+        run(model, _Scripted(ids, q), max_tokens=8, num_draft_tokens=2, temp=temp, seed=1 if temp else None)
+    got, _ = run(model, _Scripted([5, 6]), max_tokens=8, num_draft_tokens=2)  # in range: decodes as ever
+    assert got == reference(model, PROMPT, 8)
+
+
+def test_a_drafters_q_over_another_vocabulary_is_refused():
+    import numpy as np
+
+    q = np.full((2, tiny.VOCAB + 1), 1 / (tiny.VOCAB + 1), np.float32)
+    with pytest.raises(ValueError, match=f"q has {tiny.VOCAB + 1} probabilities a token, the target's vocabulary "
+                                         f"{tiny.VOCAB}"):
+        run(target("llama-gqa"), _Scripted([5, 6], q), max_tokens=8, num_draft_tokens=2, temp=1.0, seed=1)
