@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .calibration import N_MAX
-
 log = logging.getLogger("mlx_spec")
 
 LOADED_WEIGHT = 4  # observations a loaded acceptance estimate counts as

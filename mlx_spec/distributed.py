@@ -148,7 +148,7 @@ def shard_model(model, mode: str, group) -> Shard:
         raise ValueError("this model is already sharded")
     family = getattr(getattr(model, "args", None), "model_type", type(model).__module__)
     total = len(model.layers)
-    size, rank = group.size(), group.rank()
+    size = group.size()
     stats = LinkStats()
     taps, offset = StageTaps(group, stats), 0
     if mode == "tensor":

@@ -131,7 +131,7 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
     top = _top(lq, w)
     tok, raw = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
     val = value(raw)
-    slots = None
+    slots = sel = None
     levels = [(tok, val, raw)]  # per depth: every candidate's token, value, log-probability
     fronts = []  # per depth < `depth`: the frontier's candidate indices (depth 1: all, in order)
     anc = mx.eye(w, dtype=mx.bool_)  # the frontier's ancestry over the tree rows fed so far

@@ -3,7 +3,6 @@ next step is queued on this step's lazy tokens before they are read. Every row s
 solo output; a step in flight is taken back whenever the batch changes (a row joins, stops or
 is cancelled), on KV and recurrent caches; sampled rows keep the target's law."""
 
-import numpy as np
 import pytest
 
 import lossless as L

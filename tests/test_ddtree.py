@@ -16,7 +16,7 @@ from mlx_spec import tree
 from mlx_spec.drafters import block_tree
 from mlx_spec.heads import load_drafter
 from runs import mlx_lm_greedy as greedy_reference, spec_run
-from test_dflash import FLASH_PROMPT, PROMPT, V8, as_mx, make_head, sampled_flash, target
+from test_dflash import FLASH_PROMPT, PROMPT, V8, make_head, sampled_flash, target
 
 
 # ---- the search against a brute force -------------------------------------------------------

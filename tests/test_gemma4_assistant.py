@@ -15,13 +15,12 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma4_text
 
-import mlx_spec
 import tiny
 from converters import gemma4 as conv
 from converters.common import ConversionError
 from mlx_spec.heads import load_drafter
 from mlx_spec.sampling import Sampling
-from mlx_spec.taps import EMBED, FINAL_NORM, Taps
+from mlx_spec.taps import FINAL_NORM, Taps
 from runs import mlx_lm_greedy as greedy, spec_run
 
 V, H, HA, HD, WINDOW = tiny.VOCAB, 64, 32, 16, 8

@@ -68,7 +68,7 @@ def _alive(pid: int) -> bool:
 def test_the_ranks_end_when_the_launch_is_told_to(sig):
     """The ranks run in a session of their own: a launch ended by SIGTERM (a CI timeout, kill) or
     SIGHUP (a closed terminal) ends them first, instead of leaving them running for good."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import argparse, sys
         from mlx_spec import launch
         rank = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "

@@ -3,7 +3,6 @@ the cost model, the free source scored on every step it had a draft; lossless ei
 
 from types import SimpleNamespace
 
-import mlx.core as mx
 import pytest
 
 import mlx_spec

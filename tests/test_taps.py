@@ -17,7 +17,7 @@ from mlx_lm.models import mixtral, qwen3, qwen3_moe
 from mlx_lm.models.base import create_causal_mask
 
 import tiny
-from mlx_spec import NGramDrafter, Sampling, make_cache, stream_generate
+from mlx_spec import NGramDrafter, make_cache, stream_generate
 from mlx_spec.drafters.base import EMPTY
 from mlx_spec.drafters.base import target_lm_head
 from mlx_spec.request import Request

@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ...weights import check_fit, quantize_as_stored
