@@ -20,7 +20,7 @@ after a rejection can pay because, kept, it leads into a run.
   average);
 * `V(n)`: the target's time to verify n tokens: the calibrated curve
   T(n)/T(1) of this model on this device (measured once, cached on disk per
-  model, dtype and device: `mlx_spec.calibration`), corrected online by the
+  model, dtype, device and BLAS: `mlx_spec.calibration`), corrected online by the
   step times observed at each n;
 * `D(k)`: the drafter's time to propose k tokens (zero for n-gram; k single-
   token forwards of a draft model, measured the same way);

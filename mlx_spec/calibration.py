@@ -2,8 +2,8 @@
 
 A forward over n tokens after a 128-token context is timed for n = 1..N_MAX (the
 fastest of a few interleaved passes), cached on disk per model architecture,
-weights' dtype, device and MLX version (`model_key`), and read back by every
-later process. The adaptive draft-length policy (`mlx_spec.adaptive`) and a
+weights' dtype, device and MLX version, and on Linux's CPU backend the BLAS in use
+(`model_key`), and read back by every later process. The adaptive draft-length policy (`mlx_spec.adaptive`) and a
 batch's choice of draft length (`mlx_spec.batch_policy`) weigh tokens against
 these seconds.
 
@@ -45,7 +45,8 @@ _CURVES: dict[str, list[float]] = {}  # model_key -> verify seconds, this proces
 
 
 def model_key(model) -> str:
-    """Identity of (model architecture and weights' dtype, device, MLX version).
+    """Identity of (model architecture and weights' dtype, device, MLX version, and on Linux's
+    CPU backend the BLAS its matmuls call).
 
     Computed on each call (a walk over the parameter tree): a model's dtype can
     change in place (`set_dtype`), so it is never cached per object.
@@ -68,10 +69,33 @@ def model_key(model) -> str:
         "processor": _processor(),
         "mlx": mx.__version__,
     }
+    blas = _blas() if "cpu" in ident["device"] else None
+    if blas is not None:  # (absent elsewhere: keys made before it stay valid on Macs)
+        ident["blas"] = blas
     shard = getattr(model, "_mlx_spec_shard", None)
     if shard is not None:  # a sharded forward's cost includes its messages
         ident["shard"] = [shard.mode, shard.size, shard.rank]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_BLAS: list = []  # [the BLAS this process's matmuls call], found once
+
+
+def _blas() -> str | None:
+    """On Linux, the BLAS MLX's CPU matmuls resolve to: the mlx[cpu] wheel's reference BLAS
+    runs them about 20x slower than a preloaded OpenBLAS, with a curve of another shape, so a
+    curve measured under one is never used under the other. None elsewhere."""
+    if not _BLAS:
+        name = None
+        if platform.system() == "Linux":
+            from .bench.hardware import detect_blas
+
+            try:
+                name = detect_blas(Path("/proc/self/maps").read_text())["name"]
+            except OSError:
+                pass
+        _BLAS.append(name)
+    return _BLAS[0]
 
 
 def _processor() -> str:

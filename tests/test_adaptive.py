@@ -281,7 +281,7 @@ def test_a_uniform_slowdown_does_not_change_the_choice_for_long():
     assert chosen.count(before) >= len(chosen) - len(chosen) // adaptive.EXPLORE - 1
 
 
-def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch):
+def test_calibration_is_cached_per_model_dtype_device_and_blas(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(calibration, "_CURVES", {})
     calls = []
@@ -301,6 +301,12 @@ def test_calibration_is_cached_per_model_dtype_and_device(tmp_path, monkeypatch)
     keys.add(calibration.model_key(tiny.llama_model(seed=1, layers=3)))  # another model
     model.set_dtype(mx.float16)
     keys.add(calibration.model_key(model))  # another dtype
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    blas = set()
+    for name in ("BLAS A", "BLAS B", "BLAS A"):  # the CPU backend's matmuls under another BLAS
+        monkeypatch.setattr(calibration, "_BLAS", [name])
+        blas.add(calibration.model_key(model))
+    assert len(blas) == 2 and not blas & keys
     monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
     keys.add(calibration.model_key(model))  # another device
     assert len(keys) == 4
