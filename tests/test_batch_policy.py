@@ -30,7 +30,7 @@ def cost(w: int) -> float:
 @pytest.fixture
 def synthetic_costs(monkeypatch, untimed_seeded_rows):
     monkeypatch.setattr(learned, "verify_seconds",
-                        lambda model, n_max=adaptive.N_MAX, recalibrate=False: [cost(n) for n in range(1, n_max + 1)])
+                        lambda model, n_max=calibration.N_MAX, recalibrate=False: [cost(n) for n in range(1, n_max + 1)])
     monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [cost(w) for w in batch_policy.WIDE])
 
 
@@ -295,8 +295,8 @@ def test_a_sampled_draft_is_weighed_at_the_length_it_was_asked_for(synthetic_cos
 
     rng, depends = random.Random(0), 0
     for _ in range(400):
-        steps = [rng.choice([0.0, 0.0, 0.0, 0.02, 0.5]) for _ in range(adaptive.N_MAX)]
-        curve = [1.0 + sum(steps[:n]) for n in range(1, adaptive.N_MAX + 1)]
+        steps = [rng.choice([0.0, 0.0, 0.0, 0.02, 0.5]) for _ in range(calibration.N_MAX)]
+        curve = [1.0 + sum(steps[:n]) for n in range(1, calibration.N_MAX + 1)]
         a = rng.choice([0.5, 0.7, 0.9])
 
         def keep(n, sampled):

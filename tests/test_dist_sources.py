@@ -14,7 +14,7 @@ import pytest
 import mlx_spec
 import tiny
 from lossless import v8_successor_llama
-from mlx_spec import adaptive, agreed, batch_policy, distributed, learned
+from mlx_spec import agreed, batch_policy, calibration, distributed, learned
 from mlx_spec.adaptive import CostModel
 from mlx_spec.drafters import DraftModelDrafter, MixedDrafter, NGramDrafter
 
@@ -68,7 +68,7 @@ def run_two_ranks(monkeypatch, steps: int) -> int:
 
 @pytest.fixture
 def synthetic_costs(monkeypatch):
-    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=adaptive.N_MAX, recalibrate=False:
+    monkeypatch.setattr(learned, "verify_seconds", lambda model, n_max=calibration.N_MAX, recalibrate=False:
                         [1 + 0.1 * n for n in range(1, n_max + 1)])
     monkeypatch.setattr(batch_policy, "wide_verify_seconds", lambda model: [1 + 0.1 * w for w in batch_policy.WIDE])
 
