@@ -207,7 +207,7 @@ def _write_curve(path: Path, times: list[float], measured_again: bool = False) -
                     "for this process (set MLX_SPEC_CACHE to a writable folder)", path, e)
 
 
-_ONCE = [0.0]  # seconds this process spent inside steps on work that is not the step's own
+_ONCE = [0.0, 0.0]  # seconds this process spent inside steps on work not the step's own; of them, measuring
 
 
 def one_time_seconds() -> float:
@@ -217,8 +217,16 @@ def one_time_seconds() -> float:
     return _ONCE[0]
 
 
-def spent_once(seconds: float) -> None:
+def measuring_seconds() -> float:
+    """Of `one_time_seconds`, those spent measuring cost curves: once per model and machine
+    (then cached on disk), never a request's own work, so its generation speed leaves them out
+    (a draft model's backlog read is the request's own, as a prompt's reading is)."""
+    return _ONCE[1]
+
+
+def spent_once(seconds: float, measuring: bool = False) -> None:
     _ONCE[0] += seconds
+    _ONCE[1] += seconds if measuring else 0.0
 
 
 def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeats: int = 3) -> list[float]:
@@ -249,7 +257,7 @@ def measure_verify_seconds(model, n_max: int = N_MAX, context: int = 128, repeat
             times.append(time.perf_counter() - tic)
             rollback(cache, n)
         passes += [times] if rep else []
-    spent_once(time.perf_counter() - start)
+    spent_once(time.perf_counter() - start, measuring=True)
     return fastest(passes)
 
 

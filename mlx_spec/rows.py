@@ -18,12 +18,20 @@ import mlx.core as mx
 
 from . import prompt_cache
 from .cache import CacheRollbackError, Checkpoint, _layers, _snapshot_attrs, make_cache
+from .calibration import measuring_seconds
 from .drafters.base import EMPTY, Draft
 from .request import Request
 from .stats import SpecStats
 from .taps import Taps
 
 CATCH_UP_MIN = 32  # a smaller backlog is read without weighing it
+
+
+def _clock() -> float:
+    """Seconds for a row's speeds: the time less what this process spent measuring cost curves
+    (once per model and machine, inside a step; `calibration.measuring_seconds`), which is no
+    request's own work: a first request on a fresh machine reports its real speed."""
+    return time.perf_counter() - measuring_seconds()
 
 
 class ProgressStopped(Exception):
@@ -84,14 +92,14 @@ class Row:
         self.policy_owner = None  # the drafter `lengths` is the policy of, when not `drafter`
         self.passed = 0  # rows that joined a batch this waiting row could not join, ahead of it
         self.prefill_time = [0, 0.0]  # prompt tokens the target read in chunks, and their seconds
-        self.tic = time.perf_counter()  # reset when its prompt's reading starts (`start_reading`)
+        self.tic = _clock()  # reset when its prompt's reading starts (`start_reading`)
         self.reading = False
 
     def start_reading(self) -> None:
         """The prompt's reading starts now: its prompt_tps counts from here, not from the time it
         waited behind other rows."""
         if not self.reading:
-            self.reading, self.tic = True, time.perf_counter()
+            self.reading, self.tic = True, _clock()
 
     # ---- inputs ------------------------------------------------------------------------
     def seed_rng(self, phase: int, step: int | None = None) -> None:
@@ -133,8 +141,8 @@ class Row:
         self.prompt_taps = []
         if self.drafter is not None:
             prompt_cache.prefill_drafter(self.drafter, self.hist, self.req.prompt, taps)
-        self.stats.prompt_tps = len(self.req.prompt) / (time.perf_counter() - self.tic)
-        self.tic = time.perf_counter()
+        self.stats.prompt_tps = len(self.req.prompt) / (_clock() - self.tic)
+        self.tic = _clock()
         return self.emit([(y, False, logprobs)], y)
 
     def commit_later(self) -> None:
@@ -172,7 +180,7 @@ class Row:
             if finish is not None:
                 self.detok.finalize()
             st.generation_tokens = n
-            st.generation_tps = n / max(time.perf_counter() - self.tic, 1e-9)
+            st.generation_tps = n / max(_clock() - self.tic, 1e-9)
             st.peak_memory = mx.get_peak_memory() / 1e9
             out.append(Response(self.detok.last_segment, token, lp, from_draft, len(self.req.prompt),
                                 st.prompt_tps, n, st.generation_tps, st.peak_memory, finish, st))

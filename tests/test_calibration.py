@@ -121,3 +121,32 @@ def test_policy_timings_learned_against_another_curve_are_dropped(monkeypatch):
     curve = [t * 0.6 for t in curve]  # measured again
     other = learned.policy_for(model, mlx_spec.NGramDrafter(), 16, sampling=mlx_spec.Sampling())
     assert other.accept == old.accept and (other.scale, other.shape) == (None, {})
+
+
+def test_a_first_request_reports_its_speed_without_the_curve_measured_in_its_first_step(tmp_path, monkeypatch):
+    """On a fresh machine the first `auto` step measures the target's verify curve (seconds, once
+    per model and machine). The request's generation speed leaves that out: the quick start's
+    first run reported 2.8 tokens/s on a CI machine where it decodes at 12 or more. Here the
+    measurement is made 2 s slower; counting it would put the speed under the bound."""
+    import time
+
+    from mlx_spec import cache
+
+    monkeypatch.setattr(calibration, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(calibration, "_CURVES", {})
+    slowed = []
+    real = cache.rollback
+
+    def rollback(c, n):
+        if not slowed:
+            slowed.append(time.sleep(2.0))
+        return real(c, n)
+
+    monkeypatch.setattr(cache, "rollback", rollback)
+    model, tok = tiny.llama_model(seed=3), tiny.tokenizer()
+    tic = time.perf_counter()
+    out = list(mlx_spec.stream_generate(model, tok, [1, 2, 3, 1, 2, 3, 1, 2], mlx_spec.NGramDrafter(), max_tokens=24))
+    wall = time.perf_counter() - tic
+    assert slowed and cached_curve(model) is not None  # the curve was measured in this request
+    n = out[-1].generation_tokens
+    assert n == 24 and out[-1].generation_tps > n / (wall - 1.5)
