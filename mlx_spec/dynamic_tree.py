@@ -72,13 +72,32 @@ class Calibration:
     from every node verified (its parent kept), starting at 1 (`PRIOR` pseudo-observations at
     the bin's middle); a node's value is the product of min(1, p * factor) along its path."""
 
-    BINS, PRIOR = 10, 4.0
+    BINS, PRIOR, CARRIED = 10, 4.0, 32.0
 
     def __init__(self):
-        mid = (np.arange(self.BINS) + 0.5) / self.BINS
-        self.kept = np.tile(mid * self.PRIOR, (2, 1))  # [best child, runner-up][bin]: kept nodes
+        self.kept = np.tile(self._mid() * self.PRIOR, (2, 1))  # [best child, runner-up][bin]: kept nodes
         self.offered = self.kept.copy()  # the same nodes' summed drafter probabilities
+        self.learned = 0  # nodes learned from in this process
         self._log: mx.array | None = None
+
+    @classmethod
+    def _mid(cls) -> np.ndarray:
+        return (np.arange(cls.BINS) + 0.5) / cls.BINS
+
+    def state(self) -> dict:
+        """What was learned, for the next process (`restore`)."""
+        return {"kept": self.kept.tolist(), "offered": self.offered.tolist()}
+
+    def restore(self, data: dict) -> None:
+        """Start from an earlier process's `state`, worth at most `CARRIED` nodes a bin (about:
+        offered mass over the bin's middle) so that this process's text still moves it; a
+        damaged state raises ValueError (KeyError, TypeError) and leaves this one as it was."""
+        kept, offered = (np.array(data[name], dtype=np.float64) for name in ("kept", "offered"))
+        if kept.shape != self.kept.shape or offered.shape != self.kept.shape or not (
+                np.isfinite(kept).all() and np.isfinite(offered).all() and (kept >= 0).all() and (offered > 0).all()):
+            raise ValueError("not a calibration's counts")
+        scale = np.minimum(1.0, self.CARRIED * self._mid() / offered)
+        self.kept, self.offered, self._log = kept * scale, offered * scale, None
 
     def log_factors(self) -> mx.array:
         """[2 * BINS] log(kept / offered): row 0 for best children, row 1 for runner-ups."""
@@ -103,6 +122,7 @@ class Calibration:
                 r, b = 1 - int(best), min(int(p * self.BINS), self.BINS - 1)
                 self.kept[r, b] += path[-1] == tokens[d]
                 self.offered[r, b] += p
+                self.learned += 1
                 self._log = None
 
 

@@ -118,6 +118,35 @@ def policy_dir() -> Path:
     return calibration.cache_dir() / "policies"
 
 
+def tree_calibration_file(model, draft_model) -> Path:
+    """Where what a draft model's probabilities are worth to a target (`dynamic_tree.Calibration`)
+    is kept: per target and draft model, both with their weights."""
+    return policy_dir() / (f"{model_key(model)}-{weights_key(model)}-calibration-"
+                           f"{model_key(draft_model)}-{weights_key(draft_model)}.json")
+
+
+def load_tree_calibration(model, draft_model):
+    """A `dynamic_tree.Calibration` for this pair, started from an earlier process's when one was
+    kept (absent or damaged: from the prior)."""
+    from .dynamic_tree import Calibration
+
+    cal = Calibration()
+    try:
+        cal.restore(json.loads(tree_calibration_file(model, draft_model).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return cal
+
+
+def save_tree_calibration(cal, model, draft_model) -> None:
+    """Keep a calibration that learned in this process for the next (never raises)."""
+    if cal is not None and cal.learned:
+        try:
+            write_json(tree_calibration_file(model, draft_model), cal.state())
+        except OSError:
+            pass
+
+
 def weights_key(model) -> str:
     """A fingerprint of the weights themselves (acceptance depends on them, unlike costs):
     a few values from the middle of every parameter tensor, read in one evaluation, once a model."""

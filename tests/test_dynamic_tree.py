@@ -362,3 +362,51 @@ def test_auto_plans_each_tree_before_it_is_drafted(monkeypatch):
     assert max(rows for plan, _, rows in d.made if plan == 1) == 4
     assert any(draft.parents is not None and not tree.is_chain(draft.parents) for _, draft, _ in d.made)
 
+
+
+def test_what_the_calibration_learned_starts_the_next_process_warm(monkeypatch):
+    """A request's tree nodes teach the calibration; the next process (here: the in-process
+    calibrations forgotten) starts from it, not from the prior, as its policies do."""
+    from mlx_spec.drafters import draft_model
+    from mlx_spec.identity import IdentityMap
+
+    target, draft = tiny.llama_model(seed=2), noisy_draft()
+    d = mlx_spec.DraftModelDrafter(draft, tree_budget=8, tree_width=3)
+    list(mlx_spec.stream_generate(target, tiny.tokenizer(), PROMPT, d, max_tokens=40, num_draft_tokens=8))
+    first = d.calibration
+    assert first.learned > 0 and learned.tree_calibration_file(target, draft).exists()
+    prior = np.array(dynamic_tree.Calibration().log_factors())
+    assert not np.allclose(np.array(first.log_factors()), prior)
+
+    monkeypatch.setattr(draft_model, "_CALIBRATIONS", IdentityMap())  # a new process
+    again = mlx_spec.DraftModelDrafter(draft, tree_budget=8, tree_width=3)
+    again.bind(target, None)
+    assert again.calibration is not first and again.calibration.learned == 0
+    np.testing.assert_allclose(np.array(again.calibration.log_factors()), np.array(first.log_factors()), atol=1e-6)
+    chains = mlx_spec.DraftModelDrafter(draft)  # no tree: nothing read, nothing kept
+    chains.bind(target, None)
+    assert chains.calibration is None
+
+
+def test_a_kept_calibration_counts_as_a_few_nodes_a_bin_and_a_damaged_one_as_none(tmp_path):
+    cal = dynamic_tree.Calibration()
+    state = cal.state()
+    many = {"kept": (np.array(state["offered"]) * 500 * 0.5).tolist(), "offered": (np.array(state["offered"]) * 500).tolist()}
+    cal.restore(many)  # half of what was offered kept, in every bin, seen 2000 times
+    mid = (np.arange(cal.BINS) + 0.5) / cal.BINS
+    np.testing.assert_allclose(cal.offered, np.tile(cal.CARRIED * mid, (2, 1)))
+    np.testing.assert_allclose(np.exp(np.array(cal.log_factors())), 0.5, rtol=1e-5)
+    for _ in range(32):  # this process's text: best children at p ~ 0.55 always kept
+        cal.learn({(5,): (0.55, True)}, [11, 5, 2])
+    assert np.exp(np.array(cal.log_factors()))[5] > 1.1  # moved (the whole carried count: still 0.52)
+
+    target, draft = tiny.llama_model(seed=2), noisy_draft()
+    path = learned.tree_calibration_file(target, draft)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for bad in ("{", '{"kept": [1, 2], "offered": [1, 2]}', '{"kept": 3}',
+                '{"kept": [[NaN]], "offered": [[1]]}',
+                '{"kept": %s, "offered": %s}' % (state["kept"], [[0.0] * cal.BINS] * 2)):
+        path.write_text(bad)
+        got = learned.load_tree_calibration(target, draft)
+        np.testing.assert_allclose(got.kept, dynamic_tree.Calibration().kept)
+        np.testing.assert_allclose(got.offered, dynamic_tree.Calibration().offered)

@@ -108,6 +108,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._ckpt: Checkpoint | None = None
         self._checked = None  # the target tokenizer the vocabularies were last compared with
         self.calibration: dynamic_tree.Calibration | None = None  # (`bind`: per draft model and target)
+        self._target = None  # the target bound to
         self._nodes: dict = {}  # this proposal's tree nodes: path -> (probability, best child?)
 
     def bind(self, model, tokenizer) -> None:
@@ -128,11 +129,24 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._index = NGramIndex(*LOOKUP_N)
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache, self.model)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
-        # verified, by every drafter of the process with the same two models
-        self.calibration = _CALIBRATIONS.setdefault(self.model, IdentityMap).setdefault(model, dynamic_tree.Calibration)
+        # verified by every drafter of the process with the same two models, and kept for the
+        # next process (`keep_learned`)
+        self._target, self.calibration = model, None
+        if self._grows:
+            from ..learned import load_tree_calibration
+
+            self.calibration = _CALIBRATIONS.setdefault(self.model, IdentityMap).setdefault(
+                model, lambda: load_tree_calibration(model, self.model))
         if self.tree_budget is not None and not self._grows:
             log.warning("tree_budget: this draft model cannot grow trees (its cache has sliding-window or "
                         "recurrent layers, or its ropes do not alone place positions), so it drafts chains")
+
+    def keep_learned(self) -> None:
+        """After a request: what the dynamic trees' nodes taught the calibration outlives the process."""
+        from ..learned import save_tree_calibration
+
+        if self._grows:
+            save_tree_calibration(self.calibration, self._target, self.model)
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""
