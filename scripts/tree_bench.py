@@ -9,14 +9,15 @@ under the same machine load):
   * plain        no drafter;
   * ngram        n-gram chain;
   * ngram-tree   n-gram with branches=4 (several earlier matches as a trie);
-  * model        draft-model chain                  (with --draft-model);
+  * model        draft-model chain, ended after a token drafted with p < 0.5 (with --draft-model);
+  * model-full   draft-model chain of k tokens, never ended early (with --draft-model);
   * model-tree   draft model, branches=2            (with --draft-model);
   * model-dyn    draft model, EAGLE-2 dynamic tree of --tree-budget nodes (default: k, or 8
                  with auto), width --tree-width    (with --draft-model);
   * mixed        n-gram + draft model, one tree     (with --draft-model).
 Printed per suite and method: decode tokens/s (total tokens over total decode time),
-speed-up over plain, tau (tokens per target forward) and whether every output equals
-plain decoding token for token.
+speed-up over plain, tau (tokens per target forward), rows (drafted rows verified per target
+forward) and whether every output equals plain decoding token for token.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def main() -> int:
     if args.draft_model:
         draft, draft_tok = mlx_spec.load(resolve_model(args.draft_model))
         methods["model"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok)
+        methods["model-full"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok, min_confidence=None)
         methods["model-tree"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok, branches=2)
         budget = args.tree_budget or (8 if args.k == "auto" else int(args.k))
         methods["model-dyn"] = lambda: mlx_spec.DraftModelDrafter(draft, draft_tok, tree_budget=budget,
@@ -63,13 +65,14 @@ def main() -> int:
     k = args.k if args.k == "auto" else int(args.k)
     print(f"model {args.model}, draft model {args.draft_model}, k {k}, {args.max_tokens} tokens, "
           f"{args.prompts} prompts a suite")
-    print(f"{'suite':10s} {'method':11s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s}  same")
+    print(f"{'suite':10s} {'method':11s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'rows':>5s}  same")
     for suite in args.suites.split(","):
         prompts = [encode_chat(tok, pr.text) for pr in load_suite(suite)[: args.prompts]]
         tokens = {m: 0 for m in methods}
         seconds = {m: 0.0 for m in methods}
         forwards = {m: 0 for m in methods}
         verified = {m: 0 for m in methods}  # tokens the verify forwards emitted
+        drafted = {m: 0 for m in methods}  # draft rows the verify forwards fed
         same = {m: True for m in methods}
         for i, prompt in enumerate([prompts[0]] + prompts):  # the first run warms up
             outs = {}
@@ -86,12 +89,14 @@ def main() -> int:
                     seconds[name] += len(out) / stats.generation_tps if stats.generation_tps else 0.0
                     forwards[name] += stats.target_forwards
                     verified[name] += stats.step_tokens  # (not the prompt pass's token)
+                    drafted[name] += stats.drafted
             for name in methods:
                 same[name] &= outs[name] == outs["plain"]
         base = tokens["plain"] / seconds["plain"]
         for name in methods:
             rate = tokens[name] / seconds[name]
-            print(f"{suite:10s} {name:11s} {rate:7.2f} {rate / base:7.2f}x {verified[name] / forwards[name]:5.2f}  "
+            print(f"{suite:10s} {name:11s} {rate:7.2f} {rate / base:7.2f}x {verified[name] / forwards[name]:5.2f} "
+                  f"{drafted[name] / forwards[name]:5.2f}  "
                   f"{'yes' if same[name] else 'NO'}", flush=True)
     return 0
 
