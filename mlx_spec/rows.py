@@ -270,7 +270,7 @@ class Row:
 
         keep = getattr(self.drafter, "keep_learned", None)  # a drafter's own (a tree calibration)
         if keep is not None and self.stats.target_forwards:
-            keep()
+            keep(self.model)
         if isinstance(self.lengths, AdaptiveK) and self.lengths.timed and self.stats.target_forwards:
             owner = self.policy_owner or self.drafter
             save_learned(self.lengths, policy_file(self.model, owner, self.req.sampling))

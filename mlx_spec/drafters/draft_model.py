@@ -108,7 +108,6 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._ckpt: Checkpoint | None = None
         self._checked = None  # the target tokenizer the vocabularies were last compared with
         self.calibration: dynamic_tree.Calibration | None = None  # (`bind`: per draft model and target)
-        self._target = None  # the target bound to
         self._nodes: dict = {}  # this proposal's tree nodes: path -> (probability, best child?)
 
     def bind(self, model, tokenizer) -> None:
@@ -131,7 +130,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         # what this draft's probabilities are worth to this target, learned from the tree nodes
         # verified by every drafter of the process with the same two models, and kept for the
         # next process (`keep_learned`)
-        self._target, self.calibration = model, None
+        self.calibration = None
         if self._grows:
             from ..learned import load_tree_calibration
 
@@ -141,12 +140,13 @@ class DraftModelDrafter(SavesState, PlansTrees):
             log.warning("tree_budget: this draft model cannot grow trees (its cache has sliding-window or "
                         "recurrent layers, or its ropes do not alone place positions), so it drafts chains")
 
-    def keep_learned(self) -> None:
-        """After a request: what the dynamic trees' nodes taught the calibration outlives the process."""
+    def keep_learned(self, target) -> None:
+        """After a request on `target`: what the dynamic trees' nodes taught the calibration
+        outlives the process."""
         from ..learned import save_tree_calibration
 
         if self._grows:
-            save_tree_calibration(self.calibration, self._target, self.model)
+            save_tree_calibration(self.calibration, target, self.model)
 
     def _logits(self, tokens: mx.array) -> mx.array:
         """Draft logits at the last position, laid out over the target vocabulary."""

@@ -146,12 +146,13 @@ class MixedDrafter:
         for d, s in zip(self.drafters, state):
             d.restore_state(s)
 
-    def keep_learned(self) -> None:
-        """After a request: what each member learned for itself (a draft model's tree calibration)."""
+    def keep_learned(self, target) -> None:
+        """After a request on `target`: what each member learned for itself (a draft model's
+        tree calibration)."""
         for d in self.drafters:
             keep = getattr(d, "keep_learned", None)
             if keep is not None:
-                keep()
+                keep(target)
 
     def fork(self) -> MixedDrafter:
         import weakref
