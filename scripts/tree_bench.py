@@ -2,10 +2,10 @@
 
     python scripts/tree_bench.py [--model smollm2-135m-instruct] [--draft-model NAME]
         [--suites code-edit,chat,code-gen] [--prompts 4] [--max-tokens 96] [--k auto|K]
-        [--tree-budget N] [--tree-width W] [--methods plain,model,...]
+        [--tree-budget N] [--tree-width W] [--methods plain,model,...] [--temp T --seed S]
 
-Methods (greedy; each prompt runs every method back to back, so ratios are taken
-under the same machine load):
+Methods (greedy unless --temp; each prompt runs every method back to back, so ratios are
+taken under the same machine load):
   * plain        no drafter;
   * ngram        n-gram chain;
   * ngram-tree   n-gram with branches=4 (several earlier matches as a trie);
@@ -17,7 +17,9 @@ under the same machine load):
   * mixed        n-gram + draft model, one tree     (with --draft-model).
 Printed per suite and method: decode tokens/s (total tokens over total decode time),
 speed-up over plain, tau (tokens per target forward), rows (drafted rows verified per target
-forward) and whether every output equals plain decoding token for token.
+forward) and whether every output equals plain decoding token for token. With --temp > 0
+every method samples (prompt i with seed S + i), so outputs differ from plain decoding's and
+"same" reads "-": tau is then a random quantity, and more prompts and tokens narrow it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def main() -> int:
     p.add_argument("--tree-budget", type=int, default=None, help="model-dyn's nodes (default: k, or 8)")
     p.add_argument("--tree-width", type=int, default=4, help="model-dyn's expansion width (default: 4)")
     p.add_argument("--methods", default=None, help="only these methods, comma-separated (plain always runs)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default: 0, greedy)")
+    p.add_argument("--seed", type=int, default=0, help="prompt i samples with seed + i (with --temp)")
     args = p.parse_args()
 
     import mlx_spec
@@ -64,7 +68,7 @@ def main() -> int:
         methods = {m: make for m, make in methods.items() if m in wanted}
     k = args.k if args.k == "auto" else int(args.k)
     print(f"model {args.model}, draft model {args.draft_model}, k {k}, {args.max_tokens} tokens, "
-          f"{args.prompts} prompts a suite")
+          f"{args.prompts} prompts a suite, temp {args.temp}")
     print(f"{'suite':10s} {'method':11s} {'tok/s':>7s} {'vs plain':>8s} {'tau':>5s} {'rows':>5s}  same")
     for suite in args.suites.split(","):
         prompts = [encode_chat(tok, pr.text) for pr in load_suite(suite)[: args.prompts]]
@@ -80,6 +84,8 @@ def main() -> int:
                 drafter = make()
                 out, stats = [], None
                 extra = {"num_draft_tokens": k} if drafter else {}
+                if args.temp > 0:
+                    extra.update(temp=args.temp, seed=args.seed + i)
                 for r in mlx_spec.stream_generate(model, tok, prompt, drafter, max_tokens=args.max_tokens, **extra):
                     out.append(r.token)
                     stats = r.stats
@@ -97,7 +103,7 @@ def main() -> int:
             rate = tokens[name] / seconds[name]
             print(f"{suite:10s} {name:11s} {rate:7.2f} {rate / base:7.2f}x {verified[name] / forwards[name]:5.2f} "
                   f"{drafted[name] / forwards[name]:5.2f}  "
-                  f"{'yes' if same[name] else 'NO'}", flush=True)
+                  f"{'-' if args.temp > 0 else 'yes' if same[name] else 'NO'}", flush=True)
     return 0
 
 
