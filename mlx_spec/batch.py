@@ -33,7 +33,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import batch_cache, batch_plain, batch_quantized, tree_shape, verify
+from . import batch_cache, batch_plain, batch_quantized, tree, tree_shape, verify
 from .adaptive import AdaptiveK
 from .calibration import one_time_seconds
 from .agreed import agree_seed
@@ -379,8 +379,6 @@ def _trimmed(model, rows: list[Row], drafts: list) -> list:
 
     keep = trim_drafts(model, [r.lengths for r in rows], drafts, [r.offer[0] for r in rows])
     keep = [n for n, _ in agree_lengths(model, [(n, None) for n in keep])]
-    return [d if n >= d.size else EMPTY if n == 0 else
-            Draft(d.tokens[:n], None if d.q is None else d.q[:n],
-                  None if d.length is None else mx.minimum(d.length, n),
-                  None if d.parents is None else d.parents[:n])  # (a tree's first n nodes: a tree)
+    return [d if n >= d.size else EMPTY if n == 0 else tree.first_nodes(d, n) if d.parents is not None else
+            Draft(d.tokens[:n], None if d.q is None else d.q[:n], None if d.length is None else mx.minimum(d.length, n))
             for d, n in zip(drafts, keep)]

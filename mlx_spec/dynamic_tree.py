@@ -15,10 +15,23 @@ probability, the product of the drafter's probabilities along the path (summed l
 
 Everything up to the rerank is lazy (one graph for all depths); the rerank reads the
 candidates' values and tokens on the host (one sync per proposal), because the verify
-forward needs the tree's shape as host indices. Siblings are always distinct tokens (the
-top tokens of one row), which the tree walk needs. With `width` 1 the tree is the greedy
-chain. Candidates are point masses (`Draft.q` is None): the walk is lossless whatever
-they are, so how they are chosen only changes speed.
+forward needs the tree's shape as host indices. Siblings are always distinct tokens, which
+the tree walk needs. With `width` 1 the tree is the drafter's chain.
+
+Greedy, every candidate is a point mass (`Draft.q` is None): the walk is lossless whatever
+they are, so how they are chosen only changes speed. Sampling, point masses throw away what
+a good drafter knows: a child c is kept with probability p(c), where a chain drawn from q
+keeps its token with probability min(1, p / q), 1 when q = p. So when sampling each node's
+first child is drawn from q (filtered and tempered as the target's p), its other w - 1 are
+the most probable other tokens as point masses, and the draft carries every node's q (the
+drawn child's row, or a point mass); the walk is then recursive rejection sampling
+(`mlx_spec.tree`). That stays lossless only if whether a drawn child is verified never
+depends on the child itself or on anything drawn below it. Values see to it: a drawn
+child is worth its parent's value times q's largest probability whatever was drawn (and
+the runner-ups times q(c) * (1 - that), reached only after the draw is rejected, so
+always less), and a node's descendants are never worth more than it. So which nodes the
+rerank keeps, and whether a frontier node is expanded, never turns on a drawn child's
+token; a cut of the tree to its first nodes (`tree.first_nodes`) could, and drops q.
 
 `grow` returns, with the draft, the tree rows the drafter was fed (node path -> row in the
 block appended to its cache), so it can keep exactly the accepted path's rows.
@@ -135,36 +148,55 @@ def _top(x: mx.array, w: int) -> mx.array:
 
 def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: int,
          sampling: Sampling, token_ids: mx.array | None = None, calibration: Calibration | None = None,
-         nodes: dict | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
+         nodes: dict | None = None, vocab: int | None = None, drawn: bool = True,
+         ) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """A dynamic tree of at most `budget` nodes and `depth` levels below the root whose
     next-token logits are `root_logits` [V]; (the draft, {node path: fed row}). `token_ids`
-    maps the logits' index to a target token id (a head's own smaller vocabulary). With a
-    `calibration`, nodes are valued by it, and `nodes` gets each kept node's path -> (drafter
-    probability, best child?) for `Calibration.learn`."""
+    maps the logits' index to a target token id (a head's own smaller vocabulary of a target
+    one of `vocab` tokens). With a `calibration`, nodes are valued by it, and `nodes` gets
+    each kept node's path -> (drafter probability, best child?) for `Calibration.learn`.
+    Sampling with `drawn`, each node's first child is drawn from the drafter's q and the
+    draft carries q (module docstring); otherwise every node is a point mass."""
     w = max(1, min(width, budget, root_logits.shape[-1]))
     value = (lambda lq: lq) if calibration is None else calibration.values  # noqa: E731
+    drawn = drawn and not sampling.greedy
 
     def ids(i: mx.array) -> mx.array:
         return (i if token_ids is None else token_ids[i]).astype(mx.uint32)
 
-    lq = scores(root_logits, sampling)
-    top = _top(lq, w)
-    tok, raw = ids(top), lq[top]  # depth 1: the root's w best tokens, all frontier
-    val = value(raw)
+    def expand(logits: mx.array, front_val: mx.array):
+        """Children of rows with `logits` [r, V]: (their indices [r, w], log-probabilities,
+        values, the rows' distributions when drawn)."""
+        q = sampling.probs(logits) if drawn else None
+        lq = scores(logits, sampling) if q is None else mx.log(q)
+        if not drawn:
+            kids = _top(lq, w)
+            raw = mx.take_along_axis(lq, kids, axis=-1)
+            return kids, raw, value(raw) + front_val[:, None], None
+        kids = mx.random.categorical(lq)[:, None]  # one draw from q a row, tried first
+        if w > 1:  # then the most probable other tokens, as point masses
+            others = mx.where(mx.arange(lq.shape[-1]) == kids, -mx.inf, lq)
+            kids = mx.concatenate([kids, _top(others, w - 1)], axis=-1)
+        raw = mx.take_along_axis(lq, kids, axis=-1)
+        top = mx.max(lq, axis=-1, keepdims=True)  # the draw's value: q's largest, whatever was drawn
+        later = raw[:, 1:] + mx.log1p(-mx.exp(top))  # reached only when the draw is rejected
+        return kids, raw, mx.concatenate([top, later], axis=-1) + front_val[:, None], q
+
+    top, raw, val, q = expand(root_logits[None], mx.zeros((1,)))
+    tok, raw, val = ids(top[0]), raw[0], val[0]  # depth 1: the root's w children, all frontier
     slots = sel = None
     levels = [(tok, val, raw)]  # per depth: every candidate's token, value, log-probability
+    dists = [q]  # per depth: the rows its candidates were drawn from (drawn only)
     fronts = []  # per depth < `depth`: the frontier's candidate indices (depth 1: all, in order)
     anc = mx.eye(w, dtype=mx.bool_)  # the frontier's ancestry over the tree rows fed so far
     front_tok, front_val = tok, val
     for d in range(2, depth + 1):
         fronts.append(mx.arange(w) if d == 2 else sel)
         # the depth d - 1 frontier sits at position base + d - 2; the cache holds (d - 2) * w tree rows
-        lq = scores(step(front_tok, slots, anc, (d - 2) * (1 - w)), sampling)  # [w, V]
-        kids = _top(lq, w)  # [w, w]
-        c_raw = mx.take_along_axis(lq, kids, axis=-1)
-        c_val = (value(c_raw) + front_val[:, None]).reshape(-1)
-        c_tok = ids(kids.reshape(-1))
+        kids, c_raw, c_val, q = expand(step(front_tok, slots, anc, (d - 2) * (1 - w)), front_val)  # [w, w]
+        c_val, c_tok = c_val.reshape(-1), ids(kids.reshape(-1))
         levels.append((c_tok, c_val, c_raw.reshape(-1)))
+        dists.append(q)
         if d < depth:
             sel = _top(c_val, w)  # the next frontier: the depth's w best candidates
             slots = sel // w
@@ -172,8 +204,28 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
             front_tok, front_val = c_tok[sel], c_val[sel]
     mx.eval(levels, fronts)  # the one sync: the tree's shape is needed on the host
     probs = None if nodes is None else [np.exp(np.array(r)).tolist() for _, _, r in levels]
-    return select([(t.tolist(), v.tolist()) for t, v, _ in levels], [f.tolist() for f in fronts], w, budget,
-                  probs, nodes)
+    kept: list[tuple[int, int]] = []
+    draft, fed = select([(t.tolist(), v.tolist()) for t, v, _ in levels], [f.tolist() for f in fronts], w,
+                        budget, probs, nodes, kept)
+    if drawn and kept:
+        draft = Draft(draft.tokens, _node_q(draft.tokens, kept, dists, w, token_ids, vocab),
+                      parents=draft.parents)
+    return draft, fed
+
+
+def _node_q(tokens: mx.array, kept: list[tuple[int, int]], dists: list[mx.array], w: int,
+            token_ids: mx.array | None, vocab: int | None) -> mx.array:
+    """Each kept node's q over the target's vocabulary: its parent's row for a drawn child
+    (candidate c % w == 0), a point mass on its token for the others."""
+    rows = mx.concatenate(dists)  # depth 1's one row, then w rows a depth
+    at = mx.array([0 if d == 1 else 1 + (d - 2) * w + c // w for d, c in kept], mx.int32)
+    q = rows[at]
+    V = q.shape[-1] if token_ids is None else vocab
+    if token_ids is not None:  # a head's own vocabulary, scattered into the target's
+        q = mx.zeros((len(kept), V), q.dtype).at[:, token_ids].add(q)
+    point = (mx.arange(V)[None] == tokens[:, None]).astype(q.dtype)
+    was_drawn = mx.array([c % w == 0 for _, c in kept])[:, None]
+    return mx.where(was_drawn, q, point)
 
 
 def best_paths(row: Callable[[int, mx.array], mx.array], y: int, *, depth: int, budget: int,
@@ -186,17 +238,18 @@ def best_paths(row: Callable[[int, mx.array], mx.array], y: int, *, depth: int, 
     step = lambda tokens, slots, mask, shift: row(next(depths), tokens)  # noqa: E731
     root = row(0, mx.array([y], mx.uint32))[0]
     draft, _ = grow(root, step, depth=min(depth, budget), width=budget, budget=budget,
-                    sampling=sampling, token_ids=token_ids)
+                    sampling=sampling, token_ids=token_ids, drawn=False)
     return draft
 
 
 def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]], w: int, budget: int,
-           probs: list[list[float]] | None = None, nodes: dict | None = None,
+           probs: list[list[float]] | None = None, nodes: dict | None = None, kept: list | None = None,
            ) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """The host half of `grow`: rerank every candidate, keep the best `budget`, list them
     breadth-first. Candidate c of depth d >= 2 is child c % w of frontier slot c // w of
     depth d - 1, i.e. of candidate fronts[d - 2][c // w] of that depth (so it is its parent's
-    best child when c % w == 0). `nodes` gets each kept node's path -> (probs entry, best?)."""
+    best child when c % w == 0). `nodes` gets each kept node's path -> (probs entry, best?),
+    `kept` each kept node's (depth, candidate), in the draft's order."""
     cands = []  # (-value, depth, index) of every finite candidate
     for d, (_, vals) in enumerate(levels, 1):
         cands += [(-v, d, c) for c, v in enumerate(vals) if np.isfinite(v)]
@@ -225,5 +278,7 @@ def select(levels: list[tuple[list[int], list[float]]], fronts: list[list[int]],
             parents.append(p)
             if nodes is not None:
                 nodes[path(d, c)] = (probs[d - 1][c], c % w == 0)
+            if kept is not None:
+                kept.append((d, c))
     fed = {path(d + 1, c): d * w + s for d, front in enumerate(fronts) for s, c in enumerate(front)}
     return Draft(mx.array(tokens, mx.uint32), parents=tuple(parents)), fed

@@ -16,14 +16,17 @@ would give. After acceptance the kept path's cache rows are gathered into
 place and the rest dropped (`compact`). A chain is the tree whose parents are
 -1, 0, 1, ...: it needs neither wrapper, and its compaction is a trim.
 
-Acceptance (`walk`): at the current node u with children c_1 .. c_m (a token
-repeated among them is tried once), greedy moves to the child equal to argmax p_u. Sampling tries the
-children in order: c_i is accepted with probability p'(c_i), where p' is p_u
-with the tokens already rejected removed and renormalised; when none is
-accepted the next token is drawn from that residual, and a node without
-children draws the bonus from p_u. The token emitted after u is then
-distributed exactly as p_u (candidates are point masses: SpecInfer's multi-
-candidate rule without draft probabilities), so the output is the target's.
+Acceptance (`walk`): at the current node u with children c_1 .. c_m, greedy moves to the
+child equal to argmax p_u. Sampling is recursive rejection sampling (SpecInfer, Miao et al.
+2023, arXiv 2305.09781; without replacement as in Jeon et al. 2024, arXiv 2402.14160): with
+P = p_u, the children are tried in order; c_i was drawn from its Q_i (`Draft.q`; a point
+mass on c_i when q is None) and is accepted with probability min(1, P(c_i) / Q_i(c_i));
+when it is rejected, P becomes max(P - Q_i, 0) renormalised. When none is accepted the
+next token is drawn from the last P, and a node without children draws the bonus from p_u.
+Each step is a speculative-sampling step of P against Q_i, so the token emitted after u is
+distributed exactly as p_u whenever every c_i is a draw from its Q_i given the tokens above
+it and its earlier siblings: for a point mass, whatever the token is (a token repeated among
+the children then has P = 0 and is never taken twice). So the output is the target's.
 """
 
 from __future__ import annotations
@@ -285,22 +288,34 @@ def children(parents: Sequence[int]) -> list[list[int]]:
     return kids
 
 
-def draws(logits: mx.array, tokens: mx.array, parents: Sequence[int], sampling) -> list[mx.array]:
+def draws(logits: mx.array, tokens: mx.array, parents: Sequence[int], sampling, q: mx.array | None = None,
+          ) -> list[mx.array]:
     """What the walk reads, computed on device in the step's graph. Greedy: each row's argmax.
-    Sampling: each node's probability under its parent's row and a uniform; per row a draw
-    from the row, and a draw from the row with its children's tokens removed."""
+    Sampling (module docstring): per node its acceptance ratio P(c) / Q(c) and a uniform; per
+    row a draw from the row, and a draw from what is left of it once all its children are
+    rejected. `q` [N, V]: each node's draft distribution Q (None: every node a point mass)."""
     if sampling.greedy:
         return [greedy_tokens(logits).astype(mx.uint32)]
     p = sampling.probs(logits)  # [N+1, V]
-    rows = mx.array([q + 1 for q in parents], mx.int32)
-    p_node = p[rows, tokens]
+    left, ratio = mx.array(p), mx.zeros((len(parents),), mx.float32)  # left: each row's P (a copy), children rejected so far
+    kids, cols = children(parents), mx.arange(p.shape[-1])[None]
+    for s in range(max(map(len, kids))):  # every row's s-th child at once
+        rows = [r for r, ks in enumerate(kids) if len(ks) > s]
+        nodes = mx.array([kids[r][s] for r in rows], mx.int32)
+        at, tok = mx.array(rows, mx.int32), tokens[nodes].astype(mx.int32)
+        P = left[at]
+        if q is None:  # a point mass: accepted with P(c), then P without c
+            Q_c, rest = 1.0, mx.where(cols == tok[:, None], 0.0, P)
+        else:
+            Q = q[nodes]
+            Q_c, rest = mx.take_along_axis(Q, tok[:, None], axis=-1)[:, 0], mx.maximum(P - Q, 0.0)
+        ratio[nodes] = mx.take_along_axis(P, tok[:, None], axis=-1)[:, 0] / Q_c
+        mass = rest.sum(-1, keepdims=True)
+        left[at] = mx.where(mass > 0, rest / mx.maximum(mass, 1e-30), P)  # (no mass: rounding only, P == Q)
     u = mx.random.uniform(shape=(len(parents),))
-    taken = mx.zeros(p.shape, mx.float32).at[rows, tokens].add(1.0) > 0
-    residual = mx.where(taken, 0.0, p)
-    residual = mx.where(residual.sum(-1, keepdims=True) > 0, residual, p)  # rounding only
     full = mx.random.categorical(mx.log(p)).astype(mx.uint32)
-    rest = mx.random.categorical(mx.log(residual)).astype(mx.uint32)
-    return [p_node, u, full, rest]
+    rest = mx.random.categorical(mx.log(left)).astype(mx.uint32)
+    return [ratio, u, full, rest]
 
 
 def walk(parents: Sequence[int], tokens: list[int], read: list[list], greedy: bool) -> tuple[list[int], int]:
@@ -314,20 +329,19 @@ def walk(parents: Sequence[int], tokens: list[int], read: list[list], greedy: bo
             if nxt is None:
                 return path, best
         else:
-            p_node, u, full, rest = read
-            left, nxt, rejected = 1.0, None, set()
-            for j in kids[row]:
-                if tokens[j] in rejected:  # a repeated sibling: p' (rejected tokens removed) is 0 there
-                    continue
-                if u[j] * left < p_node[j]:  # accept with probability p(c) / (1 - sum p(rejected))
-                    nxt = j
-                    break
-                left -= p_node[j]
-                rejected.add(tokens[j])
+            ratio, u, full, rest = read
+            nxt = next((j for j in kids[row] if u[j] < ratio[j]), None)  # accepted with min(1, P(c) / Q(c))
             if nxt is None:
                 return path, (rest if kids[row] else full)[row]
         path.append(nxt)
         row = nxt + 1
+
+
+def first_nodes(draft, n: int):
+    """The tree's first `n` nodes (breadth-first, parents first: still a tree), as point masses:
+    which drawn nodes fall among the first n can depend on what was drawn below them, so
+    their q no longer says how they were chosen (point masses are lossless whatever)."""
+    return type(draft)(draft.tokens[:n], parents=draft.parents[:n])
 
 
 def as_chain(draft):
@@ -338,7 +352,10 @@ def as_chain(draft):
     while kids[row]:
         idx.append(kids[row][0])
         row = idx[-1] + 1
-    return Draft(draft.tokens[mx.array(idx, mx.int32)] if idx else draft.tokens[:0])
+    if not idx:
+        return Draft(draft.tokens[:0])
+    at = mx.array(idx, mx.int32)
+    return Draft(draft.tokens[at], None if draft.q is None else draft.q[at])
 
 
 def trie(sequences: Sequence[Sequence[int]], budget: int) -> tuple[list[int], tuple[int, ...]]:

@@ -90,8 +90,7 @@ class ShapeChoice:
     def apply(draft, shape: int):
         """The part of tree `draft` that `shape` verifies."""
         if shape > 1:
-            m = -(-draft.size // shape)
-            draft = type(draft)(draft.tokens[:m], parents=draft.parents[:m])
+            draft = tree.first_nodes(draft, -(-draft.size // shape))
         return draft if shape and not tree.is_chain(draft.parents) else tree.as_chain(draft)
 
     def observe(self, shape: int, tokens: int, seconds: float) -> None:

@@ -209,7 +209,7 @@ class Tree(Chain):
         return tree.forward(model, cache, inputs[0], self.parents)[None]
 
     def accept(self, logits, d: Draft, sampling) -> list[mx.array]:
-        return [d.tokens, *tree.draws(logits, d.tokens, self.parents, sampling)]
+        return [d.tokens, *tree.draws(logits, d.tokens, self.parents, sampling, d.q)]
 
     def walk(self, read: list, sampling):
         path, nxt = tree.walk(self.parents, read[0], read[1:], sampling.greedy)

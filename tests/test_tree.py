@@ -402,7 +402,8 @@ def test_a_draft_model_drafts_chains_for_a_target_that_cannot_verify_trees():
 
 def test_a_repeated_sibling_is_tried_once():
     """Children [a, a]: the second is no second chance for a (its residual probability is 0).
-    Treating them as two candidates (the deliberately wrong rule) nearly doubles a's share."""
+    Treating them as two candidates (the deliberately wrong rule: the second tried against
+    the residual as if a were still in it) nearly doubles a's share."""
     from mlx_spec.sampling import Sampling
 
     p = np.array([0.2, 0.3, 0.5])
@@ -414,7 +415,10 @@ def test_a_repeated_sibling_is_tried_once():
         read = [a.tolist() for a in tree.draws(logits, mx.array([0, 0], mx.uint32), parents, Sampling(temp=1.0))]
         path, nxt = tree.walk(parents, [0, 0], read, False)
         right[0 if path else nxt] += 1
-        path, nxt = tree.walk(parents, [0, 1], read, False)  # the same draws, as if two candidates
+        assert read[0][1] == 0  # a's second try: P(a) = 0 once a was rejected
+        first = read[0][0]
+        read[0] = [first, first / (1 - first)]  # the same draws, as if a were tried afresh
+        path, nxt = tree.walk(parents, [0, 0], read, False)
         wrong[0 if path else nxt] += 1
 
     def chi2(counts):

@@ -38,7 +38,7 @@ class Draft:
     q: mx.array | None = None  # [k, V] draft probabilities; None = point mass
     length: mx.array | None = None  # lazy count of leading tokens to verify (None: all k)
     # A tree instead of a chain: node j's parent (-1: y), breadth-first (`mlx_spec.tree`);
-    # tree nodes are point masses (q is None).
+    # q[j] is what node j was drawn from given its path and earlier siblings (None: point masses).
     parents: tuple[int, ...] | None = None
 
     def __post_init__(self):  # (shapes only: nothing lazy is evaluated)

@@ -131,7 +131,7 @@ class EagleDrafter(SavesState, PlansTrees):
             return self._lm(out[0])
 
         draft, _ = dynamic_tree.grow(logits, step, depth=min(k, budget), width=width, budget=budget,
-                                     sampling=sampling, token_ids=self._d2t)
+                                     sampling=sampling, token_ids=self._d2t, vocab=self._v_target)
         self._chained = self.cache[0].offset - base  # every tree row: commit drops them all
         return draft
 
