@@ -27,9 +27,10 @@ the most probable other tokens as point masses, and the draft carries every node
 drawn child's row, or a point mass); the walk is then recursive rejection sampling
 (`mlx_spec.tree`). That stays lossless only if whether a drawn child is verified never
 depends on the child itself or on anything drawn below it. Values see to it: a drawn
-child is worth its parent's value times q's largest probability whatever was drawn (and
-the runner-ups times q(c) * (1 - that), reached only after the draw is rejected, so
-always less), and a node's descendants are never worth more than it. So which nodes the
+child is worth its parent's value times the rate at which the target kept drawn children
+earlier in the request (`DrawnRates`), whatever was drawn; a runner-up, reached only after
+the draw is rejected, its calibrated q times the rate draws were rejected at, capped below
+its drawn sibling's; and a node's descendants are never worth more than it. So which nodes the
 rerank keeps, and whether a frontier node is expanded, never turns on a drawn child's
 token; a cut of the tree to its first nodes (`tree.first_nodes`) could, and drops q.
 
@@ -39,6 +40,7 @@ block appended to its cache), so it can keep exactly the accepted path's rows.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import mlx.core as mx
@@ -139,6 +141,41 @@ class Calibration:
                 self._log = None
 
 
+class DrawnRates:
+    """What a sampled tree's nodes are worth, learned within one request (a seeded request's
+    tree must not depend on earlier ones): how often the target kept a drawn child when it
+    examined it (its parent kept), and how often a runner-up over the q it was given when it
+    examined it (its parent kept, the drawn sibling rejected: the target's token there is
+    not the drawn one, since a rejected draw has no mass left in the residual). Each starts
+    from `PRIOR` pseudo-observations: drawn children kept at `DRAWN`, runner-ups at their q."""
+
+    PRIOR, DRAWN = 4.0, 0.75
+
+    def __init__(self):
+        self.drawn = [self.DRAWN * self.PRIOR, self.PRIOR]  # kept, examined
+        self.runner = [self.PRIOR / 10, self.PRIOR / 10]  # kept, summed q (factor 1)
+
+    def log_values(self) -> tuple[float, float, float]:
+        """log(drawn kept), log(1 - drawn kept), log(runner-up factor)."""
+        rho = min(max(self.drawn[0] / self.drawn[1], 1e-3), 1 - 1e-3)
+        return math.log(rho), math.log1p(-rho), math.log(self.runner[0] / self.runner[1])
+
+    def learn(self, nodes: dict, tokens) -> None:
+        """As `Calibration.learn`, with each node's (q, drawn?)."""
+        tokens = list(tokens)
+        drawn_at = {path[:-1]: path[-1] for path, (_, drawn) in nodes.items() if drawn}
+        for path, (q, drawn) in nodes.items():
+            d = len(path)
+            if d >= len(tokens) or list(path[:-1]) != tokens[1:d]:
+                continue  # its parent was not kept: never examined
+            if drawn:
+                self.drawn[0] += path[-1] == tokens[d]
+                self.drawn[1] += 1
+            elif drawn_at.get(path[:-1]) != tokens[d]:  # the draw was rejected: tried
+                self.runner[0] += path[-1] == tokens[d]
+                self.runner[1] += q
+
+
 def _top(x: mx.array, w: int) -> mx.array:
     """Indices of the w largest entries of each row, largest first."""
     idx = mx.argpartition(-x, kth=w - 1, axis=-1)[..., :w]
@@ -149,17 +186,20 @@ def _top(x: mx.array, w: int) -> mx.array:
 def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: int,
          sampling: Sampling, token_ids: mx.array | None = None, calibration: Calibration | None = None,
          nodes: dict | None = None, vocab: int | None = None, drawn: bool = True,
-         ) -> tuple[Draft, dict[tuple[int, ...], int]]:
+         rates: DrawnRates | None = None) -> tuple[Draft, dict[tuple[int, ...], int]]:
     """A dynamic tree of at most `budget` nodes and `depth` levels below the root whose
     next-token logits are `root_logits` [V]; (the draft, {node path: fed row}). `token_ids`
     maps the logits' index to a target token id (a head's own smaller vocabulary of a target
     one of `vocab` tokens). With a `calibration`, nodes are valued by it, and `nodes` gets
     each kept node's path -> (drafter probability, best child?) for `Calibration.learn`.
     Sampling with `drawn`, each node's first child is drawn from the drafter's q and the
-    draft carries q (module docstring); otherwise every node is a point mass."""
+    draft carries q (module docstring), nodes valued by `rates` (None: its priors);
+    otherwise every node is a point mass."""
     w = max(1, min(width, budget, root_logits.shape[-1]))
     value = (lambda lq: lq) if calibration is None else calibration.values  # noqa: E731
     drawn = drawn and not sampling.greedy
+    if drawn:
+        kept_drawn, rejected_drawn, runner_factor = (rates or DrawnRates()).log_values()
 
     def ids(i: mx.array) -> mx.array:
         return (i if token_ids is None else token_ids[i]).astype(mx.uint32)
@@ -178,8 +218,11 @@ def grow(root_logits: mx.array, step: Step, *, depth: int, width: int, budget: i
             others = mx.where(mx.arange(lq.shape[-1]) == kids, -mx.inf, lq)
             kids = mx.concatenate([kids, _top(others, w - 1)], axis=-1)
         raw = mx.take_along_axis(lq, kids, axis=-1)
-        top = mx.max(lq, axis=-1, keepdims=True)  # the draw's value: q's largest, whatever was drawn
-        later = raw[:, 1:] + mx.log1p(-mx.exp(top))  # reached only when the draw is rejected
+        # A draw is worth the rate draws were kept at, whatever was drawn; a runner-up, reached
+        # only when the draw is rejected, its calibrated q times the rate draws were rejected
+        # at: always less than its drawn sibling (module docstring).
+        later = mx.minimum(mx.minimum(raw[:, 1:] + runner_factor, 0.0) + rejected_drawn, kept_drawn - 1e-3)
+        top = mx.full((raw.shape[0], 1), kept_drawn, mx.float32)
         return kids, raw, mx.concatenate([top, later], axis=-1) + front_val[:, None], q
 
     top, raw, val, q = expand(root_logits[None], mx.zeros((1,)))

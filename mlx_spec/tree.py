@@ -297,7 +297,8 @@ def draws(logits: mx.array, tokens: mx.array, parents: Sequence[int], sampling, 
     if sampling.greedy:
         return [greedy_tokens(logits).astype(mx.uint32)]
     p = sampling.probs(logits)  # [N+1, V]
-    left, ratio = mx.array(p), mx.zeros((len(parents),), mx.float32)  # left: each row's P (a copy), children rejected so far
+    left = mx.array(p)  # each row's P, its children rejected so far (a copy: p is drawn from below)
+    ratio = mx.zeros((len(parents),), mx.float32)
     kids, cols = children(parents), mx.arange(p.shape[-1])[None]
     for s in range(max(map(len, kids))):  # every row's s-th child at once
         rows = [r for r, ks in enumerate(kids) if len(ks) > s]

@@ -108,7 +108,9 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._ckpt: Checkpoint | None = None
         self._checked = None  # the target tokenizer the vocabularies were last compared with
         self.calibration: dynamic_tree.Calibration | None = None  # (`bind`: per draft model and target)
+        self._rates = self._learner = None  # sampled trees: what this request's taught (`bind`)
         self._nodes: dict = {}  # this proposal's tree nodes: path -> (probability, best child?)
+        self._taught = None  # the last tree's (learner, nodes, kept tokens), until the next y is known
 
     def bind(self, model, tokenizer) -> None:
         v_t, v_d = vocab_size(model), vocab_size(self.model)
@@ -122,9 +124,10 @@ class DraftModelDrafter(SavesState, PlansTrees):
                 "draft_tokenizer) compares the two tokenizers token by token)."
             )
         self._v_target, self._v_draft = v_t, v_d
+        self._rates = dynamic_tree.DrawnRates()  # every request starts from the priors
         self.cache = make_cache(self.model)
         self._head = short_head(self.model, self.head_vocab, min(v_t, v_d))
-        self._pending, self._k, self._nodes = [], 0, {}
+        self._pending, self._k, self._nodes, self._taught = [], 0, {}, None
         self._index = NGramIndex(*LOOKUP_N)
         self._grows = self.tree_budget is not None and tree.tree_capable(self.cache, self.model)
         # what this draft's probabilities are worth to this target, learned from the tree nodes
@@ -215,7 +218,16 @@ class DraftModelDrafter(SavesState, PlansTrees):
         self._pending = []
         spent_once(time.perf_counter() - start)
 
+    def _learn(self, nxt: int) -> None:
+        """The last tree's nodes, learned from once the target's token after its kept path, `nxt`
+        (the next step's y), is known: the nodes there were examined too, and none was kept."""
+        if self._taught is not None:
+            learner, nodes, kept = self._taught
+            self._taught = None
+            learner.learn(nodes, kept + [nxt])
+
     def propose(self, y: int, k: int, sampling: Sampling) -> Draft:
+        self._learn(y)
         self._catch_up()
         self._ckpt, self._fed = Checkpoint(self.model, self.cache), self._pending + [y]
         guess = self._guess(y, k)
@@ -231,11 +243,13 @@ class DraftModelDrafter(SavesState, PlansTrees):
         if shape is not None:  # EAGLE-2: deeper where the draft is sure, wider where it is not
             self._base = self.cache[0].offset  # plain KV layers (`bind`): where the tree rows start
             budget, width = shape
-            # greedy only: a seeded sampled request's tree must not depend on earlier ones
+            # greedy: what earlier requests taught; sampled: what this request's drawn trees did
+            # (a seeded sampled request's tree must not depend on earlier ones)
             cal = self.calibration if sampling.greedy else None
+            self._learner = cal if sampling.greedy else self._rates
             draft, self._rows = dynamic_tree.grow(logits, self._tree_logits, depth=min(k, budget), width=width,
                                                   budget=budget, sampling=sampling, calibration=cal,
-                                                  nodes=self._nodes if cal else None)
+                                                  rates=self._rates, nodes=self._nodes if self._learner else None)
             self._k = max(draft.size, 1)
             return draft
         if b == 1 or k < 2:
@@ -364,6 +378,7 @@ class DraftModelDrafter(SavesState, PlansTrees):
         tokens = list(tokens)
         self._index.extend(tokens)
         if not self._k:  # nothing proposed this step: just queue what was kept
+            self._learn(tokens[0])
             self._pending += tokens
             return
         # The draft consumed pending + [y], then a block of rows: some node paths of the draft
@@ -372,9 +387,8 @@ class DraftModelDrafter(SavesState, PlansTrees):
         # gathered into place when they are not already the block's first rows, and queues
         # the rest of the committed tokens.
         rows = self._rows
-        if self._nodes:  # a dynamic tree: what its nodes' probabilities were worth
-            self.calibration.learn(self._nodes, tokens)
-            self._nodes = {}
+        if self._nodes:  # a dynamic tree: what its nodes' probabilities were worth, learned
+            self._taught, self._nodes = (self._learner, self._nodes, tokens), {}  # at the next y
         if rows is None:
             main = self._main.tolist()[: self._k - 1]
             rows = {tuple(main[: i + 1]): i for i in range(len(main))}
