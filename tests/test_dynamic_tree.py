@@ -185,6 +185,20 @@ def test_calibration_learns_from_the_nodes_the_target_examined():
     assert worth[1] == pytest.approx(0.3 * 1.4 / (1.4 + 0.3), rel=1e-4)
 
 
+def test_a_request_teaches_the_calibration_the_nodes_below_the_kept_path():
+    """The drafter hears the kept tokens at commit and the target's next token as the next y:
+    the nodes below the kept path (examined, none kept) are learned then. A draft that is
+    never right has every best child examined and none kept (before: nothing was learned)."""
+    model = tiny.llama_model(seed=2)
+    d = mlx_spec.DraftModelDrafter(tiny.llama_model(seed=9, layers=1), tree_budget=4, tree_width=2)
+    out = list(mlx_spec.stream_generate(model, tiny.tokenizer(), PROMPT, d, max_tokens=16, num_draft_tokens=4))
+    assert [r.token for r in out] == reference(model, PROMPT, 16)
+    prior = dynamic_tree.Calibration()
+    examined = (d.calibration.offered - prior.offered)[0].sum()
+    kept = (d.calibration.kept - prior.kept)[0].sum()
+    assert out[-1].stats.tree_steps >= 8 and examined > 1 and kept < examined / 2
+
+
 def test_calibrated_trees_are_the_brute_force_with_calibrated_values():
     """A draft model's dynamic tree with a learned calibration keeps exactly the nodes a
     brute force keeps when each child adds log min(1, p * factor) for its bin and rank; and
