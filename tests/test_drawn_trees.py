@@ -137,3 +137,17 @@ def test_a_seeded_sampled_request_repeats_whatever_the_drafter_learned_before():
     run([9, 1, 4, 1, 5, 9, 2, 6], 11)  # another text moves the rates
     assert d._rates.drawn != DrawnRates().drawn
     assert run([5, 6, 7, 8, 9], 3) == first
+
+
+def test_a_cut_tree_becomes_point_masses_and_its_first_branch_keeps_q():
+    """The first n nodes of a drawn tree can depend on what was drawn below them, so the cut
+    drops q (point masses are lossless whatever they are); its first branch, the drawn path
+    whose depth never turns on a drawn token, keeps each node's q for rejection sampling."""
+    from mlx_spec.drafters.base import Draft
+
+    q = mx.softmax(mx.random.normal((4, 8)), axis=-1)
+    d = Draft(mx.array([3, 5, 1, 2], mx.uint32), q, parents=(-1, -1, 0, 2))
+    cut = tree.first_nodes(d, 3)
+    assert cut.q is None and cut.parents == (-1, -1, 0) and cut.tokens.tolist() == [3, 5, 1]
+    chain = tree.as_chain(d)
+    assert chain.tokens.tolist() == [3, 1, 2] and mx.array_equal(chain.q, q[mx.array([0, 2, 3])])
