@@ -378,7 +378,8 @@ class DraftModelDrafter(SavesState, PlansTrees):
         tokens = list(tokens)
         self._index.extend(tokens)
         if not self._k:  # nothing proposed this step: just queue what was kept
-            self._learn(tokens[0])
+            if tokens:
+                self._learn(tokens[0])
             self._pending += tokens
             return
         # The draft consumed pending + [y], then a block of rows: some node paths of the draft
